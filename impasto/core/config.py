@@ -1,0 +1,57 @@
+"""Scheduler and cache configuration (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int = 10000  # including the reserved null block
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 disables the per-request chunk cap
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    # Speculative decoding: K drafts per step (AR). For diffusion, the canvas length.
+    num_speculative_tokens: int = 0
+    # Extra slots reserved after the scheduled tokens (draft models write K tokens ahead).
+    num_lookahead_tokens: int = 0
+    # 1 for autoregressive models (the bonus / next token), 0 for diffusion models.
+    num_sampled_tokens_per_step: int = 1
+    # Pad 1-token admissions to 1 + K (uniform decode batches for full CUDA graphs).
+    uniform_spec_decode_padding: bool = False
+    # Admit a waiting request only if its whole sequence fits in the free blocks
+    # (stops chunked prefill from over-admitting and then thrashing by preemption).
+    reserve_full_sequence: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            positive(name)
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (one is reserved): {self.num_blocks}.")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if self.num_sampled_tokens_per_step not in (0, 1):
+            raise ValueError("num_sampled_tokens_per_step must be 0 (diffusion) or 1 (AR).")
+        if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
+            raise ValueError("num_speculative_tokens and num_lookahead_tokens must be >= 0.")
+        if self.is_diffusion and self.num_speculative_tokens < 1:
+            raise ValueError("a diffusion scheduler needs num_speculative_tokens = canvas length.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled."
+            )
+
+    @property
+    def is_diffusion(self) -> bool:
+        return self.num_sampled_tokens_per_step == 0

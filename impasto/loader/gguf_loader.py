@@ -1,0 +1,248 @@
+"""Read GGUF checkpoints as Hugging Face configs and HF-named tensors.
+
+Invariants of what this module yields:
+- names are HF parameter names (`model.layers.N.self_attn.q_proj.weight`, ...);
+- shapes are torch order (GGUF stores `ne`, innermost first, so shapes are reversed);
+- rows of llama q/k projections are back in HF layout (the converter interleaves them per head
+  for its rotary kernel; qwen2/qwen3 are written unpermuted);
+- no `lm_head.weight` is yielded for tied checkpoints (`config.tie_word_embeddings` is True).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+}
+# Architectures whose converter interleaves q/k rows (rotary pairs (i, i + d/2) -> (2i, 2i + 1)).
+_PERMUTED_QK = frozenset({"llama"})
+
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PER_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors that are not parameters: llama3 rope factors are folded into the config instead.
+_NON_PARAMETERS = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+@lru_cache(maxsize=4)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path, "r")
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """A (cached) read-only reader; parsing metadata of a large vocab takes seconds."""
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    return _cached_reader(str(p), st.st_mtime_ns, st.st_size)
+
+
+def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of a metadata key (str, number, bool or list), or `default` when absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    arch = gguf_metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """Map a GGUF tensor name to its HF parameter name; unknown names raise ValueError."""
+    if m := _BLOCK_RE.match(name):
+        layer, kind, suffix = m.groups()
+        if kind in _PER_LAYER:
+            return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
+    elif (m := _TOP_RE.match(name)) and m.group(1) in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"unknown GGUF tensor name {name!r}: no HF parameter mapping")
+
+
+def _fit_llama3_rope(factors: np.ndarray, theta: float, dim: int, orig_ctx: int) -> dict[str, Any]:
+    """Recover llama3 rope parameters from the per-frequency divisors stored in `rope_freqs`.
+
+    In the llama3 rule the divisor is 1 for short wavelengths, `factor` for long ones and
+    1 / ((1 - s) / factor + s) in between, with s = (orig_ctx / wavelen - low) / (high - low)
+    linear in 1 / wavelen. Only orig_ctx/low and orig_ctx/high matter, so orig_ctx is free.
+    """
+    f = factors.astype(np.float64)
+    factor = float(f.max())
+    x = orig_ctx * (theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)) / (2 * math.pi)
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if x.shape != f.shape or mid.sum() < 2:
+        raise NotImplementedError("cannot infer llama3 rope scaling from this rope_freqs tensor")
+    s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(x[mid], s, 1)  # s = a * x + b, a = 1 / (high - low), b = -low * a
+    low = -b / a
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": round(float(low), 4),
+        "high_freq_factor": round(float(low + 1 / a), 4),
+        "original_max_position_embeddings": orig_ctx,
+    }
+
+
+def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int) -> dict[str, Any]:
+    theta = float(gguf_metadata(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_dim = gguf_metadata(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise NotImplementedError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim})")
+    kind = gguf_metadata(reader, f"{arch}.rope.scaling.type", "none")
+    factor = gguf_metadata(reader, f"{arch}.rope.scaling.factor")
+    orig_ctx = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    params: dict[str, Any] = {"rope_type": "default"}
+    if kind == "linear" and factor is not None:
+        params = {"rope_type": "linear", "factor": float(factor)}
+    elif kind == "yarn" and factor is not None:
+        params = {"rope_type": "yarn", "factor": float(factor)}
+        if orig_ctx is not None:
+            params["original_max_position_embeddings"] = int(orig_ctx)
+        for key in ("beta_fast", "beta_slow"):
+            value = gguf_metadata(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                params[key] = float(value)
+    elif kind not in ("none", "linear", "yarn"):
+        raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is not None and params["rope_type"] == "default":
+        factors = dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(-1)
+        params = _fit_llama3_rope(factors, theta, head_dim, int(orig_ctx or 8192))
+    params["rope_theta"] = theta
+    return params
+
+
+def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
+    """Build the transformers config matching a llama / qwen2 / qwen3 GGUF file."""
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    meta = lambda key, default=None: gguf_metadata(reader, f"{arch}.{key}", default)
+    names = {t.name: t for t in reader.tensors}
+    hidden = int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    embed = names.get("token_embd.weight")
+    vocab = int(embed.shape[1]) if embed is not None else meta("vocab_size")
+    if vocab is None:
+        vocab = len(gguf_metadata(reader, "tokenizer.ggml.tokens", []))
+    cls, hf_arch = _CONFIG_CLASSES[arch]
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        rope_parameters=_rope_parameters(reader, arch, head_dim),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=gguf_metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=gguf_metadata(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    if arch in ("llama", "qwen3"):  # qwen2 always has q/k/v biases and no config switch
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "llama":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One tensor as stored, renamed to HF: `data` is raw rows (packed blocks for quantized
+    types, one row per output feature) already in HF row order; `shape` is the torch shape."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def unpermute_qk_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the converter's per-head rotary interleave along axis 0 (any trailing dims/bytes)."""
+    n = rows.shape[0]
+    # [n_heads, head_dim/2, 2, ...] -> [n_heads, 2, head_dim/2, ...] -> [n, ...]
+    return rows.reshape(n_heads, n // n_heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
+        rows.shape
+    )
+
+
+def iter_gguf_raw(path: str | os.PathLike[str]) -> Iterator[GGUFWeight]:
+    """Tensors as stored (not dequantized), HF-named and in HF row order."""
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
+    heads = {
+        "q_proj": gguf_metadata(reader, f"{arch}.attention.head_count"),
+        "k_proj": gguf_metadata(reader, f"{arch}.attention.head_count_kv"),
+    }
+    heads["k_proj"] = heads["k_proj"] or heads["q_proj"]
+    for t in reader.tensors:
+        if t.name in _NON_PARAMETERS:
+            continue
+        name = gguf_name_to_hf(t.name)
+        data = np.asarray(t.data)
+        proj = name.rsplit(".", 2)[-2]
+        if arch in _PERMUTED_QK and proj in heads:
+            data = unpermute_qk_rows(data, int(heads[proj]))
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        yield GGUFWeight(name, GGMLQuantizationType(t.tensor_type), shape, data)
+
+
+def dequantize_weight(weight: GGUFWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize one raw weight to a fresh (writable, file-independent) torch tensor."""
+    if weight.qtype == GGMLQuantizationType.F32:
+        array = np.array(weight.data, dtype=np.float32)  # copy: the reader's view is a memmap
+    else:
+        array = dequantize(weight.data, weight.qtype)  # vectorised numpy, float32
+    return torch.from_numpy(array).reshape(weight.shape).to(dtype)
+
+
+def iter_gguf_weights(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dequantized tensor) pairs for every parameter in the GGUF file."""
+    for weight in iter_gguf_raw(path):
+        yield weight.name, dequantize_weight(weight, dtype)
+
+
+def load_gguf_state_dict(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    return dict(iter_gguf_weights(path, dtype))
