@@ -46,6 +46,20 @@ class SchedulerConfig:
             raise ValueError("num_speculative_tokens and num_lookahead_tokens must be >= 0.")
         if self.is_diffusion and self.num_speculative_tokens < 1:
             raise ValueError("a diffusion scheduler needs num_speculative_tokens = canvas length.")
+        if self.is_diffusion and self.max_num_batched_tokens < self.num_speculative_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least the "
+                f"diffusion canvas length ({self.num_speculative_tokens})."
+            )
+        capacity = (self.num_blocks - 1) * self.block_size
+        if capacity < self.max_model_len:
+            # Otherwise a long request could end up alone, unable to grow, preempting itself.
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens ({self.num_blocks - 1} blocks of "
+                f"{self.block_size}), fewer than max_model_len ({self.max_model_len}): one "
+                "request at full length would not fit. Increase the KV-cache size or decrease "
+                "max_model_len."
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

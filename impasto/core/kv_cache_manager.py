@@ -80,8 +80,16 @@ class KVCacheManager:
         change nothing) when the free blocks cannot hold them."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        hit_blocks = new_computed_blocks or []
         held = self.req_to_blocks.get(request.request_id)
+        if held is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the held blocks already have room.
+            num_slots = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+            if num_slots <= len(held) * self.block_size:
+                if self.enable_caching:
+                    num_committed = min(num_slots - num_lookahead_tokens, request.num_tokens)
+                    self._cache_blocks(request, num_committed)
+                return []
+        hit_blocks = new_computed_blocks or []
         num_held = len(held) if held else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)

@@ -111,10 +111,16 @@ class Scheduler:
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             n = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < cfg.long_prefill_token_threshold < n:
+            if 0 < cfg.long_prefill_token_threshold < n and not request.spec_token_ids:
                 n = cfg.long_prefill_token_threshold
             # AR keeps room for the bonus token; a diffusion canvas may run up to the end.
-            n = min(n, token_budget, self.max_model_len - request.num_computed_tokens - s)
+            n = min(n, self.max_model_len - request.num_computed_tokens - s)
+            if s == 0 and request.spec_token_ids and n > token_budget:
+                # A canvas is all or nothing: half a canvas is no denoising step. Skip it this
+                # step (later requests may still fit); it runs when the budget allows.
+                i += 1
+                continue
+            n = min(n, token_budget)
             if n <= 0:
                 i += 1
                 continue

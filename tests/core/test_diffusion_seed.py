@@ -26,7 +26,7 @@ def test_resumed_diffusion_request_gets_one_unpadded_token_then_whole_canvases()
         diffusion_canvas_length=CANVAS,
         enable_prefix_caching=True,
         uniform_spec_decode_padding=True,
-        max_model_len=4096,
+        max_model_len=384,
     )
     runner = FakeRunner(
         random.Random(0), canvas_length=CANVAS, denoise_steps={"0": 1, "1": 12, "2": 12}

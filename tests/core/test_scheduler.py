@@ -146,7 +146,7 @@ def test_stop_checks_trim_multi_token_outputs(
 
 def test_preempt_tail_and_admit_nobody_that_step():
     # 10 usable blocks of 16: two 80-token requests take 5 each.
-    sched = make_scheduler(num_blocks=11, max_model_len=1000)
+    sched = make_scheduler(num_blocks=11, max_model_len=160)
     a, b, c = make_requests(3, num_tokens=80, max_tokens=100)
     for r in (a, b):
         sched.add_request(r)
@@ -173,7 +173,7 @@ def test_preempt_tail_and_admit_nobody_that_step():
 
 
 def test_priority_preempts_lowest_priority():
-    sched = make_scheduler(num_blocks=11, max_model_len=1000, policy="priority")
+    sched = make_scheduler(num_blocks=11, max_model_len=160, policy="priority")
     a, b = make_requests(2, num_tokens=80, max_tokens=100, priorities=[5, 0])
     sched.add_request(a)
     sched.add_request(b)
@@ -186,7 +186,7 @@ def test_priority_preempts_lowest_priority():
 
 @pytest.mark.parametrize("state", ["waiting", "running", "preempted", "in_flight", "finished"])
 def test_abort_in_every_state(state):
-    sched = make_scheduler(num_blocks=11, max_model_len=1000)
+    sched = make_scheduler(num_blocks=11, max_model_len=160)
     a, b = make_requests(2, num_tokens=80, max_tokens=100)
     sched.add_request(a)
     target = a
@@ -249,3 +249,24 @@ def test_prefix_cache_stats_counted_at_admission():
     sched.schedule()
     stats = sched.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (66, 32)
+
+
+def test_diffusion_canvas_is_all_or_nothing_under_the_budget():
+    sched = make_scheduler(diffusion_canvas_length=8, max_num_batched_tokens=17)
+    reqs = make_requests(3, num_tokens=1, max_tokens=8)
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(
+        out,
+        runner_output({r.request_id: [] for r in reqs}, spec={r.request_id: [1] * 8 for r in reqs}),
+    )
+    out = sched.schedule()
+    # 17 tokens: two whole canvases; the third is skipped, not cut to 1 token.
+    assert out.num_scheduled_tokens == {"0": 8, "1": 8}
+    assert reqs[2].spec_token_ids == [1] * 8  # kept for the next step
+
+
+def test_config_rejects_a_pool_smaller_than_one_full_request():
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        make_scheduler(num_blocks=5, block_size=16, max_model_len=100)
