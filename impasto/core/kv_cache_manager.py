@@ -49,7 +49,8 @@ class KVCacheManager:
         At least one token is always recomputed (its logits are needed), and the hit is
         block-aligned, so N=32 with block size 16 hits 16 tokens and N=33 hits 32.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: no cache reads.
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

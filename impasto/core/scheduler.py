@@ -273,7 +273,8 @@ class Scheduler:
                 req_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
                 sampling_params=r.sampling_params,
-                block_ids=new_block_ids[r.request_id],
+                # The whole table: prefix-cache hits come first, then the new blocks.
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
             )
             for r in new_reqs
@@ -285,7 +286,10 @@ class Scheduler:
         ):
             cached.req_ids.append(r.request_id)
             cached.resumed_from_preemption.append(resumed)
-            cached.new_block_ids.append(new_block_ids[r.request_id])
+            if resumed:  # its old blocks were freed: send the whole new table
+                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(r.request_id))
+            else:
+                cached.new_block_ids.append(new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
             if resumed:
                 cached.resumed_token_ids[r.request_id] = list(r.all_token_ids)

@@ -18,6 +18,7 @@ from typing import Any
 
 _FFFD = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as context for the first output tokens
+_MAX_WINDOW = 16  # a window of text-less tokens slides anyway past this length
 _MAX_PENDING = 4  # unread tokens after which a pending window is split (invalid byte runs)
 
 
@@ -122,8 +123,10 @@ class IncrementalDetokenizer:
                 self._committed = stable
             return
         self._text += new[self._committed :]
-        # Slide: the unread tokens become the context of the next token.
-        self._window = self._window[self._read :]
+        # Slide: the unread tokens become the context of the next token, unless they rendered
+        # nothing (skipped special tokens), which would leave the next token without context.
+        if new or len(self._window) > _MAX_WINDOW:
+            self._window = self._window[self._read :]
         self._read = len(self._window)
         self._prefix_text = self._decode(self._window)
         self._committed = 0
@@ -155,15 +158,17 @@ class IncrementalDetokenizer:
 
     # -- stop strings -------------------------------------------------------------------------
     def _find_stop(self, start: int) -> str | None:
-        """Earliest stop string ending in text appended after `start`; cut the text there."""
+        """The stop string that completes first in the text appended after `start` (earliest
+        end, then earliest start), as a character-by-character check would see it: the result
+        does not depend on how tokens were grouped into updates. Cuts the text there."""
         best: tuple[int, int, str] | None = None
-        for order, s in enumerate(self.stop):
+        for s in self.stop:
             idx = self._text.find(s, max(0, start - len(s) + 1))
-            if idx >= 0 and (best is None or (idx, order) < best[:2]):
-                best = (idx, order, s)
+            if idx >= 0 and (best is None or (idx + len(s), idx) < best[:2]):
+                best = (idx + len(s), idx, s)
         if best is None:
             return None
-        idx, _, s = best
+        _, idx, s = best
         self._text = self._text[: idx + len(s) if self.include_stop_str_in_output else idx]
         return s
 

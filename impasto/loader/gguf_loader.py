@@ -75,9 +75,8 @@ def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
 def gguf_architecture(reader: GGUFReader) -> str:
     arch = gguf_metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     return arch
 
 
@@ -199,8 +198,10 @@ def unpermute_qk_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo the converter's per-head rotary interleave along axis 0 (any trailing dims/bytes)."""
     n = rows.shape[0]
     # [n_heads, head_dim/2, 2, ...] -> [n_heads, 2, head_dim/2, ...] -> [n, ...]
-    return rows.reshape(n_heads, n // n_heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
-        rows.shape
+    return (
+        rows.reshape(n_heads, n // n_heads // 2, 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
     )
 
 

@@ -34,7 +34,7 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None  # [N] float32; 0.0 = off
     frequency_penalties: torch.Tensor | None  # [N] float32; 0.0 = off
     repetition_penalties: torch.Tensor | None  # [N] float32; 1.0 = off
-    output_token_ids: list[list[int]]  # [N] ragged: tokens generated before this row's token
+    output_token_ids: Sequence[Sequence[int]]  # [N] ragged: generated before this row's token
     prompt_token_ids: torch.Tensor | None  # [N, P] int64 padded with -1; repetition penalty only
     logit_bias: list[dict[int, float] | None] | None  # [N]
     banned_token_ids: list[list[int]] | None  # [N]; ids forced to -inf (min_tokens)
@@ -51,7 +51,7 @@ class SamplingMetadata:
     def from_params(
         cls,
         params: Sequence[SamplingParams],
-        output_token_ids: Sequence[list[int]],
+        output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]],
         positions: Sequence[int],
         device: torch.device | str,
@@ -77,6 +77,7 @@ class SamplingMetadata:
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         banned = [_banned_ids(p, len(out)) for p, out in zip(params, output_token_ids, strict=True)]
         max_lp = [p.logprobs for p in params if p.logprobs is not None]
+        biases = [p.logit_bias for p in params]
         return cls(
             temperature=None if all_greedy else vec(temps),
             all_greedy=all_greedy,
@@ -87,11 +88,9 @@ class SamplingMetadata:
             presence_penalties=vec([p.presence_penalty for p in params]) if use_pen else None,
             frequency_penalties=vec([p.frequency_penalty for p in params]) if use_pen else None,
             repetition_penalties=vec([p.repetition_penalty for p in params]) if use_pen else None,
-            output_token_ids=[list(o) for o in output_token_ids],
+            output_token_ids=output_token_ids,  # not copied: read only when penalties are on
             prompt_token_ids=ops.pad_token_ids(prompt_token_ids, device) if use_rep else None,
-            logit_bias=[p.logit_bias for p in params]
-            if any(p.logit_bias for p in params)
-            else None,
+            logit_bias=biases if any(biases) else None,
             banned_token_ids=banned if any(banned) else None,
             seeds=[p.seed for p in params],
             positions=list(positions),

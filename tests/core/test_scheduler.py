@@ -270,3 +270,15 @@ def test_diffusion_canvas_is_all_or_nothing_under_the_budget():
 def test_config_rejects_a_pool_smaller_than_one_full_request():
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         make_scheduler(num_blocks=5, block_size=16, max_model_len=100)
+
+
+def test_new_and_resumed_requests_carry_their_whole_block_table():
+    sched = make_scheduler(enable_prefix_caching=True, block_size=4)
+    a, b = make_requests(2, num_tokens=10, same_prompt=True)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    new = {d.req_id: d for d in out.scheduled_new_reqs}
+    assert new["1"].num_computed_tokens == 8  # a's first two blocks, cached this very step
+    assert new["1"].block_ids == new["0"].block_ids[:2] + [4]
+    assert new["1"].block_ids == sched.kv_cache_manager.get_block_ids("1")

@@ -11,7 +11,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_testutil import permute_qk_like_converter, write_gguf
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from impasto.loader.gguf_loader import (
     gguf_name_to_hf,
@@ -83,7 +89,13 @@ def test_dequantize_roundtrip(tmp_path: Path, qtype: Q) -> None:
 def test_bf16_output_dtype(tmp_path: Path) -> None:
     config = tiny_config()
     sd = random_state_dict(config)
-    write_gguf(tmp_path / "m.gguf", "llama", config, sd, {k: Q.Q8_0 for k in sd if k.endswith("proj.weight")})
+    write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        config,
+        sd,
+        {k: Q.Q8_0 for k in sd if k.endswith("proj.weight")},
+    )
     fp32 = load_gguf_state_dict(tmp_path / "m.gguf")
     for name, tensor in iter_gguf_weights(tmp_path / "m.gguf", dtype=torch.bfloat16):
         assert tensor.dtype == torch.bfloat16
@@ -153,8 +165,11 @@ def test_config_fields(tmp_path: Path) -> None:
 
 def test_rope_scaling_metadata(tmp_path: Path) -> None:
     config = tiny_config()
-    kv = {"rope_scaling_type": gguf.RopeScalingType.YARN, "rope_scaling_factor": 4.0,
-          "rope_scaling_orig_ctx_len": 32}
+    kv = {
+        "rope_scaling_type": gguf.RopeScalingType.YARN,
+        "rope_scaling_factor": 4.0,
+        "rope_scaling_orig_ctx_len": 32,
+    }
     write_gguf(tmp_path / "m.gguf", "llama", config, random_state_dict(config), extra_kv=kv)
     rope = gguf_to_hf_config(tmp_path / "m.gguf").rope_parameters
     assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0
@@ -164,16 +179,26 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
 def test_llama3_rope_recovered_from_rope_freqs(tmp_path: Path) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = tiny_config(rope_parameters=rope, max_position_embeddings=131072)
     base = tiny_config(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     divisors = (plain / scaled.double()).float().numpy()
-    write_gguf(tmp_path / "m.gguf", "llama", base, random_state_dict(config),
-               extra_tensors={"rope_freqs.weight": divisors})
+    write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        base,
+        random_state_dict(config),
+        extra_tensors={"rope_freqs.weight": divisors},
+    )
     got = gguf_to_hf_config(tmp_path / "m.gguf").rope_parameters
     assert got["rope_type"] == "llama3"
     for key, value in rope.items():
@@ -189,7 +214,9 @@ def test_name_mapping() -> None:
     assert gguf_name_to_hf("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
     assert gguf_name_to_hf("blk.3.attn_k.bias") == "model.layers.3.self_attn.k_proj.bias"
     assert gguf_name_to_hf("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
-    assert gguf_name_to_hf("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        gguf_name_to_hf("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    )
     for bad in ("blk.0.ffn_gate_exps.weight", "foo.weight", "blk.x.attn_q.weight", "output.scale"):
         with pytest.raises(ValueError, match="unknown GGUF tensor"):
             gguf_name_to_hf(bad)
@@ -197,8 +224,13 @@ def test_name_mapping() -> None:
 
 def test_unknown_tensor_is_an_error(tmp_path: Path) -> None:
     config = tiny_config()
-    write_gguf(tmp_path / "m.gguf", "llama", config, random_state_dict(config),
-               extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((2, 4), np.float32)})
+    write_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        config,
+        random_state_dict(config),
+        extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((2, 4), np.float32)},
+    )
     with pytest.raises(ValueError, match="blk.0.ffn_gate_inp.weight"):
         load_gguf_state_dict(tmp_path / "m.gguf")
 

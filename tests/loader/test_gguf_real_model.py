@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from impasto.loader.default_model import ensure_default_model
 from impasto.loader.gguf_loader import gguf_to_hf_config, iter_gguf_weights
@@ -18,15 +19,15 @@ def gguf_path() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.fixture(scope="module")
+def ref_config(gguf_path: Path) -> PretrainedConfig:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        return AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
-def test_config_matches_transformers(gguf_path: Path) -> None:
-    from transformers import AutoConfig
-
-    ref = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def test_config_matches_transformers(gguf_path: Path, ref_config: PretrainedConfig) -> None:
+    ref = ref_config
     ours = gguf_to_hf_config(gguf_path)
     assert type(ours) is type(ref)
     for key in (
@@ -50,14 +51,12 @@ def test_config_matches_transformers(gguf_path: Path) -> None:
     assert ours.architectures == ["LlamaForCausalLM"]
 
 
-def test_tensors_match_transformers(gguf_path: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def test_tensors_match_transformers(gguf_path: Path, ref_config: PretrainedConfig) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     # transformers' GGUF path needs a model skeleton for its name map; meta costs no memory
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(ref_config)
     ref = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)
     ref_tensors = ref["tensors"]
     ours = dict(iter_gguf_weights(gguf_path))

@@ -99,8 +99,11 @@ def test_seeded_sampling_independent_of_batch_and_order() -> None:
     for pos in range(20):
         alone = sampler(row_a[None], make_meta([pa], positions=[pos])).sampled_token_ids.item()
         batch = torch.stack([other[0], row_b, other[1], row_a, other[2]])
-        meta = make_meta([rand, pb, rand, pa, rand], positions=[3, pos, 8, pos, 1],
-                         generator=torch.Generator().manual_seed(pos))
+        meta = make_meta(
+            [rand, pb, rand, pa, rand],
+            positions=[3, pos, 8, pos, 1],
+            generator=torch.Generator().manual_seed(pos),
+        )
         mixed = sampler(batch, meta).sampled_token_ids.tolist()
         swapped = sampler(
             torch.stack([row_a, row_b]), make_meta([pa, pb], positions=[pos, pos])
@@ -180,8 +183,10 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
         SamplingParams(temperature=0.0, presence_penalty=1.0),
         SamplingParams(temperature=0.5, logprobs=2),
     ]
-    out = Sampler()(logits, make_meta(params, outputs=[[], [], [0], []],
-                                      generator=torch.Generator().manual_seed(0)))
+    out = Sampler()(
+        logits,
+        make_meta(params, outputs=[[], [], [0], []], generator=torch.Generator().manual_seed(0)),
+    )
     lp = out.logprobs
     assert lp is not None
     ref = logits.log_softmax(-1)

@@ -97,7 +97,10 @@ def test_logit_bias_and_banned() -> None:
 def test_derive_seed_depends_on_all_keys() -> None:
     base = ops.derive_seed(7, 100)
     assert base == ops.derive_seed(7, 100)
-    assert len({base, ops.derive_seed(8, 100), ops.derive_seed(7, 101), ops.derive_seed(7, 100, 1)}) == 4
+    assert (
+        len({base, ops.derive_seed(8, 100), ops.derive_seed(7, 101), ops.derive_seed(7, 100, 1)})
+        == 4
+    )
     assert 0 <= ops.derive_seed(-1, 2**70) < 2**64
 
 

@@ -1,0 +1,69 @@
+"""Load an HF checkpoint folder (config.json + *.safetensors) into an impasto model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from impasto.models.registry import get_model_class
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's shards: those named in model.safetensors.index.json, else every file."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint shards listed in the index are missing: {missing}")
+    return files
+
+
+def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor) for every tensor of every shard, one at a time."""
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_hf_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, PretrainedConfig]:
+    """Build the registered model for `config.architectures` and load its weights (strict).
+
+    Only local folders are accepted: nothing is ever fetched from a model hub.
+    """
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    model_cls = get_model_class(list(config.architectures or []))
+    # Parameters are created empty, directly in the target dtype and device (no init pass).
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(config)
+    model.load_weights(iter_safetensors(folder))
+    return model.eval(), config

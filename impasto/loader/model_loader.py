@@ -1,0 +1,38 @@
+"""Load a model from an HF folder (config.json + safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from impasto.loader.tokenizer import is_gguf_file
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    if is_gguf_file(path):
+        from impasto.loader.gguf_loader import gguf_to_hf_config
+
+        return gguf_to_hf_config(path)
+    from transformers import AutoConfig
+
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} is neither a GGUF file nor a folder with a config.json.")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    if is_gguf_file(path):
+        from impasto.loader.gguf_loader import iter_gguf_weights
+        from impasto.models.registry import get_model_class
+
+        model_cls = get_model_class(list(config.architectures or []))
+        model = model_cls(config).to(dtype)
+        model.load_weights(iter_gguf_weights(path, dtype))
+        return model.eval()
+    from impasto.loader.hf import load_hf_model
+
+    model, _ = load_hf_model(path, dtype=dtype)
+    return model.eval()

@@ -1,0 +1,54 @@
+"""Vocab-parallel token embedding and LM head (each rank holds a contiguous vocab slice)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from impasto.models.layers.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        # Pad the vocabulary so that it splits evenly; padded rows are never looked up.
+        padded = -(-num_embeddings // tp_size()) * tp_size()
+        self.local = divide(padded, tp_size())
+        self.start = tp_rank() * self.local
+        self.weight = nn.Parameter(torch.empty(self.local, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"embedding shape {tuple(loaded.shape)} does not match "
+                f"({self.num_embeddings}, {param.shape[1]})"
+            )
+        part = loaded[self.start : self.start + self.local]
+        param.data[: part.shape[0]].copy_(part)
+        param.data[part.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.local)
+        out = F.embedding(local.clamp(0, self.local - 1), self.weight)
+        return all_reduce(out * inside[:, None].to(out.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T; `tie_to` shares the embedding's weight (tied word embeddings)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        if tie_to is not None:
+            self.weight = tie_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[:, : self.num_embeddings].float()

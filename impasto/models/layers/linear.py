@@ -1,0 +1,117 @@
+"""Linear layers written for tensor parallelism (world size 1 today).
+
+Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that takes the full
+(unsharded) HF tensor and copies this rank's slice into place, so a checkpoint loader never
+needs to know how a layer is sharded. Fused layers (QKV, gate/up) take one shard per call.
+Parameters are created with `torch.empty` in torch's default dtype and device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from impasto.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W [out_local, in_local]. `tp_dim`: the dimension sharded (0/1/None)."""
+
+    tp_dim: int | None = None
+    shard_ids: tuple = (None,)  # shards a checkpoint must provide for each parameter
+
+    def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _param(out_local, in_local)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param(out_local) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < loaded.dim() else None
+        if dim is not None and tp_size() > 1:
+            size = divide(loaded.shape[dim], tp_size())
+            loaded = loaded.narrow(dim, tp_rank() * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features sharded across ranks; the output stays sharded (no communication)."""
+
+    tp_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, divide(out_features, tp_size()), bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate/up).
+
+    Shard i of the checkpoint lands at rows `sum(sizes[:i]) / tp` of the local weight.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.local_sizes = [divide(s, tp_size()) for s in output_sizes]
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def _offset(self, shard_id) -> tuple[int, int]:
+        return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("a fused projection needs the shard id of each loaded tensor")
+        offset, size = self._offset(shard_id)
+        loaded = loaded.narrow(0, tp_rank() * size, size)
+        _copy(param.data.narrow(0, offset, size), loaded)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q/k/v projection; heads are sharded, so shard ids are 'q', 'k', 'v'."""
+
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, bias)
+        self.shard_ids = ("q", "k", "v")
+
+    def _offset(self, shard_id) -> tuple[int, int]:
+        return super()._offset("qkv".index(shard_id))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features sharded; partial products are summed with an all-reduce."""
+
+    tp_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(divide(in_features, tp_size()), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,36 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w (computed in float32, like HF).
+
+    `gemma=True`: y = x / rms(x) * (1 + w), with the weight stored zero-centred (Gemma).
+    `forward(x, residual)` first does `x = x + residual` and returns `(norm(x), x)`, so that
+    decoder layers carry the residual stream without an extra add kernel.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:  # Gemma multiplies in float32, then casts
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

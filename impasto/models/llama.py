@@ -1,0 +1,158 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it.
+
+Interface relied on by the runner (same for every model in the registry):
+  Model(config)                          parameters in torch's default dtype/device; cast with
+                                         `.to(dtype)` (load_hf_model builds in `dtype` directly)
+  forward(input_ids [T], positions [T])  -> hidden [T, hidden]; inside `forward_context(...)`
+  compute_logits(hidden [N, hidden])     -> logits [N, vocab] float32
+  load_weights(iterable of (HF name, tensor)), strict
+  kv_cache_shapes()                      -> [(num_kv_heads, head_dim)] per layer (layer_idx order)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from impasto.models.layers import (
+    Attention,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SwiGLUMLP,
+    VocabParallelEmbedding,
+    rope_parameters,
+)
+from impasto.models.layers.parallel import divide, tp_size
+from impasto.models.weights import load_weights_strict
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Per-layer attention variations between the Llama-like architectures."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    sliding_window: int | None = None
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, opts: AttentionOptions) -> None:
+        super().__init__()
+        d = self.head_dim = head_dim_of(config)
+        hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads = divide(hq, tp_size()), divide(hkv, tp_size())
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, hq, hkv, bias=opts.qkv_bias)
+        self.o_proj = RowParallelLinear(hq * d, config.hidden_size, bias=opts.o_bias)
+        self.qk_norm = opts.qk_norm
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, d, layer_idx, sliding_window=opts.sliding_window
+        )
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, rotary: RotaryEmbedding):
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size :]
+        if self.qk_norm:
+            q = rotary(self.q_norm(qkv[:, : self.q_size].view(t, -1, d)), cos_sin)
+            k = rotary(
+                self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d)),
+                cos_sin,
+            )
+        else:  # q and k heads are adjacent: one rotary call over [T, Hq + Hkv, D]
+            qk = rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, opts: AttentionOptions) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, opts)
+        self.mlp = SwiGLUMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=getattr(config, "mlp_bias", False),
+            act=config.hidden_act,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, cos_sin, rotary):  # residual stream is carried, not added
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, rotary)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, options: list[AttentionOptions]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, opts) for i, opts in enumerate(options)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by all layers
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos_sin, self.rotary_emb)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        opts = [self.attention_options(config, i) for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, opts)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        tie = self.model.embed_tokens if self.tied else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=tie)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        # Mistral: one window for every layer (None = full attention); Llama has none.
+        window = getattr(config, "sliding_window", None)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, sliding_window=window)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_weights_strict(self, weights, tied_lm_head=self.tied)
+
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        return [
+            (layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers
+        ]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,246 @@
+"""The model runner: SchedulerOutput -> tensors -> forward -> sample -> ModelRunnerOutput.
+
+It owns the paged KV cache and the persistent batch, and knows each request only through the
+scheduler's diffs. Device-agnostic PyTorch: CPU by default, CUDA when asked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from impasto.attention.metadata import AttentionMetadata, forward_context
+from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
+from impasto.worker.input_batch import InputBatch
+from impasto.worker.request_state import Phase, RequestState
+from impasto.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * h * d * elem for h, d in model.kv_cache_shapes())
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_reqs: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        # Zeroed, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
+        self.kv_caches = [
+            torch.zeros((2, num_blocks, block_size, h, d), dtype=dtype, device=self.device)
+            for h, d in model.kv_cache_shapes()
+        ]
+        max_blocks = -(-max_model_len // block_size)
+        self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
+        self.requests: dict[str, RequestState] = {}  # running and preempted requests
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    # -- state diffs --------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            batch.remove(rid)
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            state = batch.remove(rid)
+            if state is not None:  # its KV is gone: it restarts from a prefill
+                state.phase = Phase.PREFILL
+                done = state.extra.get("prompt_logprobs_done")
+                state.extra.clear()
+                if done:  # prompt logprobs were already delivered
+                    state.extra["prompt_logprobs_done"] = True
+        for new in so.scheduled_new_reqs:
+            state = RequestState(
+                new.req_id,
+                list(new.prompt_token_ids),
+                new.sampling_params,
+                [],
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add(state)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                state = self.requests[rid]
+                state.output_token_ids = cached.resumed_token_ids[rid][
+                    len(state.prompt_token_ids) :
+                ]
+                state.block_ids = list(cached.new_block_ids[i])
+                state.num_computed_tokens = cached.num_computed_tokens[i]
+                batch.add(state)
+            else:
+                row = batch.row_of[rid]
+                batch.append_blocks(row, cached.new_block_ids[i])
+                batch.num_computed[row] = cached.num_computed_tokens[i]
+
+    # -- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [])
+        batch = self.batch
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(rows))
+        spec = so.scheduled_spec_decode_tokens
+        for rid, drafts in spec.items():  # drafts follow the committed tokens in the buffer
+            row = batch.row_of[rid]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + len(drafts)] = drafts
+        meta, input_ids = self._prepare_inputs(rows, num_sched)
+
+        # Rows whose query reaches the end of the committed tokens sample 1 + len(drafts)
+        # tokens; the others are prefill chunks.
+        start = batch.num_computed[rows]
+        num_tokens = batch.num_tokens[rows]
+        cu = np.concatenate(([0], np.cumsum(num_sched)))
+        sample_plan: list[tuple[int, int, int]] = []  # (batch index, first logits row, rows)
+        logits_idx: list[int] = []
+        for b, rid in enumerate(req_ids):
+            end = int(start[b] + num_sched[b])
+            if end < num_tokens[b]:
+                continue
+            k = len(spec.get(rid, ()))
+            first = int(cu[b] + num_tokens[b] - 1 - start[b])
+            sample_plan.append((b, len(logits_idx), k + 1))
+            logits_idx.extend(range(first, first + k + 1))
+
+        with forward_context(meta, self.kv_caches):
+            hidden = self.model(input_ids, meta.positions)
+        prompt_lps = self._prompt_logprobs(req_ids, rows, start, num_sched, cu, hidden)
+
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict[str, list[dict[int, tuple[float, int]]]] = {}
+        if logits_idx:
+            idx = torch.tensor(logits_idx, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            sampling = self._sampling_metadata(req_ids, rows, sample_plan, spec)
+            out = self.sampler(logits, sampling)
+            tokens = out.sampled_token_ids.tolist()
+            lp_rows = None
+            if out.logprobs is not None:
+                num_top = [
+                    self.batch.states[rows[b]].sampling_params.logprobs or 0
+                    for b, _, k in sample_plan
+                    for _ in range(k)
+                ]
+                lp_rows = out.logprobs.to_dicts(num_top)
+            for b, first, k in sample_plan:
+                drafts = spec.get(req_ids[b], [])
+                row_tokens = tokens[first : first + k]
+                accepted = 0  # lossless for deterministic drafts: the target's own sample
+                while accepted < len(drafts) and drafts[accepted] == row_tokens[accepted]:
+                    accepted += 1
+                toks = row_tokens[: accepted + 1]
+                sampled[b] = toks
+                state = self.batch.states[rows[b]]
+                state.phase = Phase.DECODE
+                batch.append_tokens(int(rows[b]), toks)
+                if lp_rows is not None and state.sampling_params.logprobs is not None:
+                    logprobs[req_ids[b]] = lp_rows[first : first + len(toks)]
+        return ModelRunnerOutput(req_ids, sampled, None, logprobs, prompt_lps)
+
+    def _prepare_inputs(
+        self, rows: np.ndarray, num_sched: np.ndarray
+    ) -> tuple[AttentionMetadata, torch.Tensor]:
+        batch, bs = self.batch, self.block_size
+        start = batch.num_computed[rows]
+        total = int(num_sched.sum())
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        req_idx = np.repeat(np.arange(len(rows)), num_sched)  # [T] batch index of each token
+        positions = start[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [T]
+        token_rows = rows[req_idx]
+        # -1 placeholder drafts (uniform padding) are clamped before the embedding lookup.
+        input_ids = np.maximum(batch.token_ids[token_rows, positions], 0)
+        slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = start + num_sched
+        max_blocks = int(-(-seq_lens.max() // bs))
+        dev = self.device
+        meta = AttentionMetadata(
+            num_reqs=len(rows),
+            num_tokens=total,
+            block_size=bs,
+            query_lens=num_sched.tolist(),
+            seq_lens=seq_lens.tolist(),
+            causal=[True] * len(rows),
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens_t=torch.from_numpy(seq_lens).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_table=torch.from_numpy(
+                np.ascontiguousarray(batch.block_table[rows, :max_blocks])
+            ).to(dev),
+        )
+        return meta, torch.from_numpy(input_ids).to(dev)
+
+    def _sampling_metadata(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        plan: list[tuple[int, int, int]],
+        spec: dict[str, list[int]],
+    ) -> SamplingMetadata:
+        params, outputs, prompts, positions = [], [], [], []
+        for b, _, k in plan:
+            state = self.batch.states[rows[b]]
+            drafts = spec.get(req_ids[b], [])
+            for j in range(k):
+                params.append(state.sampling_params)
+                # Row j samples the token after drafts[:j]: penalties and seeds see them.
+                out = state.output_token_ids + drafts[:j] if j else state.output_token_ids
+                outputs.append(out)
+                prompts.append(state.prompt_token_ids)
+                positions.append(state.num_tokens + j)
+        return SamplingMetadata.from_params(
+            params, outputs, prompts, positions, self.device, self.generator
+        )
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        start: np.ndarray,
+        num_sched: np.ndarray,
+        cu: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> dict[str, list[dict[int, tuple[float, int]] | None]]:
+        """Accumulate prompt logprobs chunk by chunk; hand them out when the prompt is done."""
+        done: dict[str, list[dict[int, tuple[float, int]] | None]] = {}
+        for b, rid in enumerate(req_ids):
+            state = self.batch.states[rows[b]]
+            num_top = state.sampling_params.prompt_logprobs
+            if num_top is None or "prompt_logprobs_done" in state.extra:
+                continue
+            prompt = state.prompt_token_ids
+            acc = state.extra.setdefault("prompt_logprobs", [None])  # no logprob for token 0
+            lo = int(start[b])
+            hi = min(int(start[b] + num_sched[b]), len(prompt) - 1)  # positions with a next token
+            if hi > lo:
+                h = hidden[int(cu[b]) : int(cu[b]) + (hi - lo)]
+                nxt = torch.tensor(prompt[lo + 1 : hi + 1], device=self.device)
+                lps = compute_prompt_logprobs(self.model.compute_logits(h), nxt, num_top)
+                acc.extend(lps.to_dicts([num_top] * (hi - lo)))
+            if start[b] + num_sched[b] >= len(prompt):
+                state.extra["prompt_logprobs_done"] = True
+                done[rid] = state.extra.pop("prompt_logprobs")
+        return done

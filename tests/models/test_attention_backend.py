@@ -1,0 +1,139 @@
+"""The torch attention backend against a dense per-token reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from impasto.attention.backend import get_attention_backend
+from impasto.attention.metadata import forward_context
+from impasto.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
+from tests.models.harness import BlockAllocator, Seq, Work, build_metadata
+
+BS = 4
+# (context tokens already cached, new query tokens, causal, writes its KV)
+MIXED = [
+    (37, 1, True, True),  # decode
+    (0, 1, True, True),  # one-token prompt
+    (20, 4, True, True),  # spec-decode verification
+    (16, 23, True, True),  # prefill chunk over a cached prefix
+    (0, 19, True, True),  # first prefill chunk
+    (12, 8, False, False),  # diffusion denoise: bidirectional canvas, read-only cache
+    (5, 3, False, True),  # short bidirectional block, written (commit of a masked block)
+    (9, 2, True, False),  # short read-only causal query
+    (3, SHORT_QUERY_MAX + 1, False, True),  # long bidirectional, written
+]
+
+
+def dense_reference(q, keys, values, cases, scale, window, softcap):
+    """Loop over every query token; keys/values[b]: the request's full sequence [L, Hkv, D]."""
+    hq, hkv = q.shape[1], keys[0].shape[1]
+    out, row = [], 0
+    for (ctx, qlen, causal, _), kk, vv in zip(cases, keys, values, strict=True):
+        for i in range(qlen):
+            p = ctx + i
+            vis = [
+                kp
+                for kp in range(ctx + qlen)
+                if (not causal or kp <= p)
+                and (window is None or (p - kp if causal else abs(p - kp)) < window)
+            ]
+            kv_head = torch.arange(hq) // (hq // hkv)
+            k_sel = kk[vis][:, kv_head].double()  # [n, Hq, D]
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k_sel) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            o = torch.einsum("hn,nhd->hd", s.softmax(-1), vv[vis][:, kv_head].double())
+            out.append(o.reshape(-1))
+            row += 1
+    return torch.stack(out)
+
+
+def setup(cases, hq, hkv, d, dtype, seed=0, num_blocks=96):
+    """Random cache prefix per request + random new q/k/v; returns everything to compare."""
+    g = torch.Generator().manual_seed(seed)
+    alloc = BlockAllocator(num_blocks, seed)
+    cache = torch.randn(2, num_blocks, BS, hkv, d, generator=g).to(dtype)
+    works, keys, values = [], [], []
+    for ctx, qlen, causal, write in cases:
+        seq = Seq([0] * (ctx + qlen), num_computed=ctx, causal=causal)
+        seq.blocks = alloc.allocate(-(-(ctx + qlen) // BS))
+        works.append(Work(seq, qlen, write))
+    meta = build_metadata(works, BS)
+    t = meta.num_tokens
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype)
+    row = 0
+    for w, (ctx, qlen, _, _) in zip(works, cases, strict=True):
+        slots = [w.seq.blocks[p // BS] * BS + p % BS for p in range(ctx)]
+        flat = cache.view(2, -1, hkv, d)
+        keys.append(torch.cat([flat[0, slots], k[row : row + qlen]]))
+        values.append(torch.cat([flat[1, slots], v[row : row + qlen]]))
+        row += qlen
+    return meta, cache, q, k, v, keys, values
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_mixed_batch_matches_dense(hq, hkv, window, softcap):
+    d = 16
+    meta, cache, q, k, v, keys, values = setup(MIXED, hq, hkv, d, torch.float32)
+    before = cache.clone()
+    scale = 1 / math.sqrt(d)
+    out = TorchAttentionBackend().forward(
+        q, k, v, cache, meta, scale=scale, sliding_window=window, logit_softcap=softcap
+    )
+    ref = dense_reference(q, keys, values, MIXED, scale, window, softcap)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    # The cache received exactly the written rows' k/v; read-only rows left it untouched.
+    expect = before.view(2, -1, hkv, d).clone()
+    keep = meta.slot_mapping >= 0
+    expect[0, meta.slot_mapping[keep]] = k[keep]
+    expect[1, meta.slot_mapping[keep]] = v[keep]
+    assert torch.equal(cache.view(2, -1, hkv, d), expect)
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [
+        [(c, 1, True, True) for c in (0, 3, 17, 40, 8)],  # pure decode: identity fast path
+        [(c, 3, True, True) for c in (2, 9, 30)],  # uniform spec-decode batch
+        [(c, q, True, True) for c, q in ((5, 1), (30, 4), (0, 2))],  # ragged short queries
+        [(0, 25, True, True)],  # a lone prefill
+    ],
+)
+def test_batch_shapes(cases):
+    meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=1)
+    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.3)
+    torch.testing.assert_close(
+        out.double(), dense_reference(q, keys, values, cases, 0.3, None, None), atol=2e-5, rtol=0
+    )
+
+
+def test_bf16_close_to_reference():
+    meta, cache, q, k, v, keys, values = setup(MIXED, 6, 2, 16, torch.bfloat16, seed=2)
+    out = get_attention_backend().forward(q, k, v, cache, meta, scale=0.25, sliding_window=9)
+    assert out.dtype == torch.bfloat16
+    ref = dense_reference(q, keys, values, MIXED, 0.25, 9, None)
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_plan_is_shared_across_layers_of_one_forward():
+    """Two layers (two caches) in one forward_context reuse the plan and stay correct."""
+    backend = TorchAttentionBackend()
+    meta, cache0, q, k, v, keys, values = setup(MIXED, 6, 2, 8, torch.float32, seed=3)
+    cache1 = cache0.clone()
+    ref = dense_reference(q, keys, values, MIXED, 0.5, None, None)
+    with forward_context(meta, [cache0, cache1]):
+        o0 = backend.forward(q, k, v, cache0, meta, scale=0.5)
+        plan = backend.plan(meta)
+        o1 = backend.forward(q, k, v, cache1, meta, scale=0.5)
+        assert backend.plan(meta) is plan
+    with forward_context(meta, [cache0, cache1]):
+        assert backend.plan(meta) is not plan  # a new forward builds a new plan
+    torch.testing.assert_close(o0.double(), ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(o1, o0)
