@@ -49,9 +49,12 @@ def make_vllm_step(num_reqs: int, prompt_len: int) -> Callable[[], None]:  # pra
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        model_config=ModelConfig(model=str(model_dir), max_model_len=2048),
+        model_config=ModelConfig(
+            model=str(model_dir), max_model_len=2048, skip_tokenizer_init=True
+        ),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
     )
+    vc.cache_config.num_gpu_blocks = 10000
     kv_config = KVCacheConfig(
         num_blocks=10000,
         kv_cache_tensors=[],
