@@ -6,8 +6,9 @@ hands out a token budget to running requests first, then admits waiting ones hea
 and advances `num_computed_tokens` optimistically (drafts and canvas included);
 `update_from_output()` rolls back what was rejected and appends what was committed.
 
-`num_sampled_tokens_per_step` (1 AR, 0 diffusion) is read in exactly three places: the
-`max_model_len` clamp, the uniform-padding gate and the acceptance arithmetic.
+`num_sampled_tokens_per_step` (1 AR, 0 diffusion) is read in the `max_model_len` clamp, the
+uniform-padding gate and the acceptance arithmetic — and once more to keep a diffusion canvas
+whole under the token budget (half a canvas is no denoising step; half a draft list is fine).
 """
 
 from __future__ import annotations
