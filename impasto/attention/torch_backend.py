@@ -1,50 +1,26 @@
 """Plain-PyTorch reference attention backend (CPU and any torch device).
 
-Requests are split in two kinds once per step (the "plan", shared by every layer):
+Per layer: write the step's k/v into the paged cache, then
+- short-query requests (see `torch_plan`): per chunk of requests, gather their KV blocks into a
+  reused workspace `[n, L, Hkv, D]` and run one SDPA with the queries grouped per KV head
+  (`[n, Hkv, G*Q, D]`, so GQA needs no K/V repeat);
+- other requests: one SDPA each over the cached prefix and the new keys.
 
-- short queries (decodes, spec-decode verification, <= SHORT_QUERY_MAX tokens) whose new
-  tokens are all written to the cache: their KV blocks are gathered into one padded batch
-  `[Bg, Lmax, Hkv, D]` and attended with a single SDPA call, queries grouped per KV head;
-- everything else (prefill chunks, diffusion canvases, read-only requests): one SDPA call per
-  request over its cached prefix followed by its new keys.
-
-Invariant used by the short path and by written long requests: the cache is written *before*
-it is read, so the gathered context already holds this step's keys (bit-identical to `k`/`v`,
-which have the cache dtype). Requests with any slot -1 never read their new keys from the cache.
-Key index == key position in every path (context 0..ctx-1, then new tokens ctx..seq_len-1).
+Invariant: the cache is written *before* it is read, so for requests whose slots are all
+written the gathered context already holds this step's keys (bit-identical to `k`/`v` when the
+cache has the model dtype). Requests with any slot -1 never read their new keys from the cache.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from impasto.attention.backend import AttentionBackend
 from impasto.attention.metadata import AttentionMetadata, get_forward_context
+from impasto.attention.torch_plan import SHORT_QUERY_MAX, Group, Long, Plan, build_plan
 
-SHORT_QUERY_MAX = 16
-
-
-def key_mask(
-    q_pos: torch.Tensor,  # [B, Q] absolute query positions
-    kv_len: torch.Tensor,  # [B] number of valid keys (positions 0..kv_len-1)
-    causal: torch.Tensor,  # [B] bool
-    num_keys: int,
-    window: int | None,
-) -> torch.Tensor:  # [B, Q, num_keys] bool, True = visible
-    key = torch.arange(num_keys, device=q_pos.device)
-    diff = q_pos[:, :, None] - key  # p - kp
-    causal = causal[:, None, None]
-    ok = (key < kv_len[:, None, None]) & ((diff >= 0) | ~causal)
-    if window is not None:
-        ok &= torch.where(causal, diff, diff.abs()) < window
-    return ok
-
-
-def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+__all__ = ["SHORT_QUERY_MAX", "TorchAttentionBackend", "sdpa"]
 
 
 def sdpa(
@@ -74,135 +50,14 @@ def sdpa(
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
-@dataclass
-class _Group:
-    """Short-query requests attended together on a padded batch."""
-
-    n: int  # Bg
-    block_size: int
-    qmax: int
-    nblk: int  # logical blocks gathered per request
-    block_ids: torch.Tensor  # [Bg * nblk] physical blocks; 0 where past a request's end
-    q_rows: torch.Tensor | None  # [Bg * qmax] token row per padded query; None = identity
-    tok_rows: torch.Tensor | None  # [Tg] token rows produced; None = all T rows in order
-    pad_rows: torch.Tensor | None  # [Tg] their index among the Bg * qmax padded rows
-    q_pos: torch.Tensor  # [Bg, qmax]; pad rows repeat the last real query (never empty)
-    seq_lens: torch.Tensor  # [Bg]
-    causal: torch.Tensor  # [Bg] bool
-    masks: dict = field(default_factory=dict)
-
-    def mask(self, window: int | None, dtype: torch.dtype, groups: int) -> torch.Tensor:
-        key = (window, dtype, groups)
-        if key not in self.masks:
-            num_keys = self.nblk * self.block_size
-            ok = key_mask(self.q_pos, self.seq_lens, self.causal, num_keys, window)
-            if self.qmax > 1:  # query rows are ordered (head-in-group, token)
-                ok = ok.repeat(1, groups, 1)  # [Bg, G*Q, L]
-            self.masks[key] = _additive(ok[:, None], dtype)  # [Bg, 1, G*Q or 1, L]
-        return self.masks[key]
-
-
-@dataclass
-class _Long:
-    """One request attended on its own (prefill chunk, canvas, read-only request)."""
-
-    start: int
-    qlen: int
-    ctx: int
-    seq_len: int
-    causal: bool
-    written: bool  # all new tokens written: read the whole sequence back from the cache
-    block_ids: torch.Tensor  # blocks covering seq_len (written) or ctx (read-only)
-    masks: dict = field(default_factory=dict)
-
-    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-        if window is None and (not self.causal or self.ctx == 0):
-            return None  # fully visible, or plain top-left causal (SDPA is_causal)
-        key = (window, dtype)
-        if key not in self.masks:
-            dev = self.block_ids.device
-            q_pos = torch.arange(self.ctx, self.seq_len, device=dev)[None]
-            kv = torch.tensor([self.seq_len], device=dev)
-            causal = torch.tensor([self.causal], device=dev)
-            ok = key_mask(q_pos, kv, causal, self.seq_len, window)
-            self.masks[key] = _additive(ok[:, None], dtype)  # [1, 1, Q, L]
-        return self.masks[key]
-
-
-@dataclass
-class _Plan:
-    write_slots: torch.Tensor | None  # [W] cache slots to write; None = nothing to write
-    write_rows: torch.Tensor | None  # [W] token rows written; None = all rows
-    group: _Group | None
-    longs: list[_Long]
-    workspace: dict = field(default_factory=dict)
-
-
-def build_plan(meta: AttentionMetadata) -> _Plan:
-    dev, bs = meta.slot_mapping.device, meta.block_size
-    qlens, slens = meta.query_lens, meta.seq_lens
-    starts = meta.query_start_loc.tolist()
-    neg = meta.slot_mapping < 0
-    if not bool(neg.any()):
-        written = [True] * meta.num_reqs
-        write_slots, write_rows = meta.slot_mapping, None
-    else:
-        c = torch.cat([neg.new_zeros(1, dtype=torch.int64), neg.cumsum(0)])
-        written = (c[meta.query_start_loc[1:]] == c[meta.query_start_loc[:-1]]).tolist()
-        write_rows = (~neg).nonzero().squeeze(1)
-        write_slots = meta.slot_mapping[write_rows] if write_rows.numel() else None
-
-    short = [b for b in range(meta.num_reqs) if 0 < qlens[b] <= SHORT_QUERY_MAX and written[b]]
-    longs = []
-    for b in range(meta.num_reqs):
-        if qlens[b] == 0 or b in short:
-            continue
-        ctx = slens[b] - qlens[b]
-        n = -(-(slens[b] if written[b] else ctx) // bs)
-        blocks = meta.block_table[b, :n]
-        longs.append(_Long(starts[b], qlens[b], ctx, slens[b], meta.causal[b], written[b], blocks))
-
-    group = None
-    if short:
-        group = _build_group(meta, short, starts, dev, bs)
-    return _Plan(write_slots, write_rows, group, longs)
-
-
-def _build_group(
-    meta: AttentionMetadata, idx: list[int], starts: list[int], dev: torch.device, bs: int
-) -> _Group:
-    ql = torch.tensor([meta.query_lens[b] for b in idx], device=dev)
-    sl = torch.tensor([meta.seq_lens[b] for b in idx], device=dev)
-    st = torch.tensor([starts[b] for b in idx], device=dev)
-    qmax, nblk = int(ql.max()), -(-max(meta.seq_lens[b] for b in idx) // bs)
-    everyone = len(idx) == meta.num_reqs
-    bt = meta.block_table[:, :nblk] if everyone else meta.block_table[idx, :nblk]
-    used = torch.arange(nblk, device=dev)[None] < (sl[:, None] + bs - 1) // bs
-    block_ids = torch.where(used, bt, 0).reshape(-1)
-    i = torch.minimum(torch.arange(qmax, device=dev)[None], ql[:, None] - 1)  # [Bg, qmax]
-    q_pos = (sl - ql)[:, None] + i
-    q_rows = (st[:, None] + i).reshape(-1)
-    uniform = bool((ql == qmax).all())
-    tok_rows = pad_rows = None
-    if everyone and uniform:
-        q_rows = None  # query rows are exactly q.view(Bg, qmax, ...)
-    else:
-        pad_rows = (torch.arange(qmax, device=dev)[None] < ql[:, None]).reshape(-1).nonzero()
-        pad_rows = pad_rows.squeeze(1)
-        tok_rows = q_rows[pad_rows]
-    causal = torch.tensor([meta.causal[b] for b in idx], device=dev)
-    rows = (q_rows, tok_rows, pad_rows)
-    return _Group(len(idx), bs, qmax, nblk, block_ids, *rows, q_pos, sl, causal)
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
         self._key: tuple[object, object] | None = None
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
 
-    def plan(self, meta: AttentionMetadata) -> _Plan:
+    def plan(self, meta: AttentionMetadata) -> Plan:
         """The step's plan, built once per forward_context and reused by every layer."""
         try:
             fc = get_forward_context()
@@ -230,8 +85,10 @@ class TorchAttentionBackend(AttentionBackend):
         if p.write_slots is not None:  # write first: short and written requests read it back
             flat = kv_cache.view(2, num_blocks * bs, hkv, d)
             kw, vw = (k, v) if p.write_rows is None else (k[p.write_rows], v[p.write_rows])
-            flat[0].index_copy_(0, p.write_slots, kw.to(kv_cache.dtype))
-            flat[1].index_copy_(0, p.write_slots, vw.to(kv_cache.dtype))
+            if kw.dtype != kv_cache.dtype:
+                kw, vw = kw.to(kv_cache.dtype), vw.to(kv_cache.dtype)
+            flat[0].index_copy_(0, p.write_slots, kw)
+            flat[1].index_copy_(0, p.write_slots, vw)
         g = p.group
         if g is not None and g.tok_rows is None and not p.longs:
             return self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
@@ -249,28 +106,53 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
-    def _group(self, p: _Plan, g: _Group, q, kv_cache, scale, window, softcap) -> torch.Tensor:
+    def _chunk_buffers(self, p: Plan, g: Group, kv_cache: torch.Tensor) -> list[tuple]:
+        """Per chunk: (chunk, K/V gather targets, K/V as [n, Hkv, L, D] views), built once per
+        step; all chunks share one workspace that every layer reuses (stays cache-hot)."""
+        key = (kv_cache.dtype, *kv_cache.shape[2:])
+        if key not in p.workspace:
+            _, _, bs, hkv, d = kv_cache.shape
+            chunks = g.chunks(2 * hkv * d * kv_cache.element_size())  # K+V bytes per token
+            need = max(c.block_ids.numel() for c in chunks)
+            ws = kv_cache.new_empty(2, need, bs * hkv * d)
+            bufs = []
+            for c in chunks:
+                m, n, length = c.block_ids.numel(), c.hi - c.lo, c.nblk * bs
+                # [n*nblk, bs*Hkv*D] -> [n, L, Hkv, D] -> [n, Hkv, L, D] (strided view)
+                k4 = ws[0, :m].view(n, length, hkv, d).transpose(1, 2)
+                v4 = ws[1, :m].view(n, length, hkv, d).transpose(1, 2)
+                bufs.append((c, ws[0, :m], ws[1, :m], k4, v4))
+            p.workspace[key] = bufs
+        return p.workspace[key]
+
+    def _group(self, p: Plan, g: Group, q, kv_cache, scale, window, softcap) -> torch.Tensor:
         _, num_blocks, bs, hkv, d = kv_cache.shape
         hq = q.shape[1]
-        groups, length = hq // hkv, g.nblk * bs
-        flat = kv_cache.view(2, num_blocks, bs * hkv * d)
-        ws_key = (kv_cache.dtype, g.block_ids.numel(), bs * hkv * d)
-        if ws_key not in p.workspace:  # reused by every layer: no allocation, stays cache-hot
-            p.workspace[ws_key] = kv_cache.new_empty(2, *ws_key[1:])
-        ws = p.workspace[ws_key]
-        torch.index_select(flat[0], 0, g.block_ids, out=ws[0])
-        torch.index_select(flat[1], 0, g.block_ids, out=ws[1])
-        kv = ws.view(2, g.n, length, hkv, d).transpose(2, 3).to(q.dtype)  # [2, Bg, Hkv, L, D]
-        qg = q if g.q_rows is None else q.index_select(0, g.q_rows)  # [Bg*Q, Hq, D]
-        # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, G*Q, D]: one SDPA row block per KV head
-        qg = qg.view(g.n, g.qmax, hkv, groups, d).permute(0, 2, 3, 1, 4)
-        qg = qg.reshape(g.n, hkv, groups * g.qmax, d)
-        o = sdpa(qg, kv[0], kv[1], g.mask(window, q.dtype, groups), scale, softcap)
-        # [Bg, Hkv, G*Q, D] -> [Bg*Q, Hq*D]
-        o = o.view(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
+        groups = hq // hkv
+        blocks = kv_cache.view(2, num_blocks, bs * hkv * d)
+        bufs = self._chunk_buffers(p, g, kv_cache)
+        if g.qmax == 1 and g.q_rows is None:  # plain decode batch: [Bg, Hq, D] is [Bg, Hkv, G, D]
+            qg = q.view(g.n, hkv, groups, d)
+        else:  # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, G*Q, D]: one SDPA row block per KV head
+            qg = q if g.q_rows is None else q.index_select(0, g.q_rows)  # [Bg*Q, Hq, D]
+            qg = qg.view(g.n, g.qmax, hkv, groups, d).permute(0, 2, 3, 1, 4)
+            qg = qg.reshape(g.n, hkv, groups * g.qmax, d)
+        outs = []
+        for c, k_out, v_out, k4, v4 in bufs:
+            torch.index_select(blocks[0], 0, c.block_ids, out=k_out)
+            torch.index_select(blocks[1], 0, c.block_ids, out=v_out)
+            if k4.dtype != q.dtype:
+                k4, v4 = k4.to(q.dtype), v4.to(q.dtype)
+            qc = qg if len(bufs) == 1 else qg[c.lo : c.hi]
+            outs.append(sdpa(qc, k4, v4, g.mask(c, window, q.dtype, groups), scale, softcap))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [Bg, Hkv, G*Q, D]
+        if g.qmax == 1:
+            return o.reshape(g.n, hq * d)
+        # [Bg, Hkv, G, Q, D] -> [Bg*Q, Hq*D]
+        o = o.reshape(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
         return o.reshape(g.n * g.qmax, hq * d)
 
-    def _long(self, r: _Long, q, k, v, kv_cache, scale, window, softcap) -> torch.Tensor:
+    def _long(self, r: Long, q, k, v, kv_cache, scale, window, softcap) -> torch.Tensor:
         if r.ctx > 0:
             _, num_blocks, bs, hkv, d = kv_cache.shape
             kv = kv_cache.view(2, num_blocks, bs * hkv * d)[:, r.block_ids]

@@ -14,11 +14,14 @@ from itertools import count
 from impasto.core import ModelRunnerOutput, Request, RequestStatus, Scheduler
 from impasto.core.outputs import EngineCoreOutput
 from impasto.engine.args import EngineArgs
+from impasto.engine.diffusion_config import validate_diffusion_params
 from impasto.engine.metrics import EngineMetrics, Metric
 from impasto.engine.request_tracker import RequestTracker
 from impasto.engine.setup import EngineComponents, build_components
+from impasto.engine.spec_config import unsupported_sampling_param
 from impasto.outputs import RequestOutput
 from impasto.sampling_params import SamplingParams
+from impasto.worker.diffusion import DiffusionModelRunner
 
 logger = logging.getLogger("impasto")
 
@@ -38,6 +41,11 @@ class LLMEngine:
         self.vocab_size = parts.vocab_size
         self.scheduler = Scheduler(parts.scheduler_config)
         self.runner = parts.runner
+        self.speculative_config = parts.speculative_config
+        # Diffusion LMs: the runner's canvas counters feed the metrics after every step.
+        diffusion = isinstance(self.runner, DiffusionModelRunner)
+        self.diffusion_stats = self.runner.stats if diffusion else None
+        self.image_token_id = getattr(self.runner.model, "image_token_id", None)
         self.metrics = EngineMetrics()
         self.tracker = RequestTracker(self.tokenizer)
         self._ids = count()
@@ -45,6 +53,10 @@ class LLMEngine:
     # -- admission ----------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                err = ValueError("multi-modal inputs (images) are not supported: text only.")
+                err.param = "multi_modal_data"  # type: ignore[attr-defined]
+                raise err
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -73,6 +85,18 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
+        if self.diffusion_stats is not None:
+            validate_diffusion_params(params)
+            if self.image_token_id is not None and self.image_token_id in prompt_ids:
+                err = ValueError("image inputs are not supported: this engine serves text only.")
+                err.param = "prompt"  # type: ignore[attr-defined]
+                raise err
+        if self.speculative_config is not None:
+            problem = unsupported_sampling_param(params)
+            if problem is not None:  # refused here, never mid-generation
+                err = ValueError(problem[1])
+                err.param = problem[0]  # type: ignore[attr-defined]
+                raise err
 
     def add_request(
         self,
@@ -129,6 +153,8 @@ class LLMEngine:
         self._count_prompt_tokens(so)
         stats = self.scheduler.make_stats()
         self.metrics.observe_scheduler(stats)
+        if self.diffusion_stats is not None:
+            self.metrics.observe_diffusion(self.diffusion_stats.take())
         return self._process(core_outputs)
 
     def _count_prompt_tokens(self, so) -> None:

@@ -26,11 +26,19 @@ _COUNTERS = {
     "impasto:spec_decode_num_drafts": "Speculative verification steps.",
     "impasto:spec_decode_num_draft_tokens": "Draft tokens proposed.",
     "impasto:spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "impasto:diffusion_denoising_steps": "Diffusion denoising steps (one per request per step).",
+    "impasto:diffusion_canvas_positions": "Canvas positions evaluated by denoising steps.",
+    "impasto:diffusion_canvases_committed": "Diffusion canvases committed to the KV cache.",
+    "impasto:diffusion_committed_tokens": "Tokens committed by canvases (before stop truncation).",
 }
 _GAUGES = {
     "impasto:num_requests_running": "Requests in the running set.",
     "impasto:num_requests_waiting": "Requests waiting (new or preempted).",
     "impasto:kv_cache_usage_perc": "Fraction of KV-cache blocks in use (0-1).",
+    "impasto:spec_decode_acceptance_rate": "Accepted / drafted tokens since start (0-1).",
+    "impasto:spec_decode_mean_acceptance_length": (
+        "Tokens committed per verification step since start: 1 + accepted / drafts."
+    ),
 }
 
 
@@ -54,11 +62,27 @@ class EngineMetrics:
         c["impasto:spec_decode_num_drafts"] += stats.num_drafts
         c["impasto:spec_decode_num_draft_tokens"] += stats.num_draft_tokens
         c["impasto:spec_decode_num_accepted_tokens"] += stats.num_accepted_tokens
+        drafts, drafted = (
+            c["impasto:spec_decode_num_drafts"],
+            c["impasto:spec_decode_num_draft_tokens"],
+        )
+        accepted = c["impasto:spec_decode_num_accepted_tokens"]
+        if drafts:  # the bonus / correction token makes every verification commit >= 1
+            g["impasto:spec_decode_acceptance_rate"] = accepted / drafted
+            g["impasto:spec_decode_mean_acceptance_length"] = 1.0 + accepted / drafts
         per_pos = self.spec_accepted_per_pos
         for i, n in enumerate(stats.num_accepted_tokens_per_pos):
             if i == len(per_pos):
                 per_pos.append(0)
             per_pos[i] += n
+
+    def observe_diffusion(self, stats) -> None:
+        """Canvas counters of a `DiffusionStats` (tokens per forward = committed / steps)."""
+        c = self.counters
+        c["impasto:diffusion_denoising_steps"] += stats.denoising_steps
+        c["impasto:diffusion_canvas_positions"] += stats.canvas_positions
+        c["impasto:diffusion_canvases_committed"] += stats.canvases_committed
+        c["impasto:diffusion_committed_tokens"] += stats.committed_tokens
 
     def snapshot(self) -> list[Metric]:
         out = [Metric(k, v, "counter", _COUNTERS[k]) for k, v in self.counters.items()]

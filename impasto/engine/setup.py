@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,8 @@ import torch
 
 from impasto.core.config import SchedulerConfig
 from impasto.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
+from impasto.engine.diffusion_config import DiffusionConfig
+from impasto.engine.spec_config import SpeculativeConfig, check_draft_compat, check_target_compat
 from impasto.loader.default_model import resolve_model
 from impasto.loader.model_loader import load_config, load_model
 from impasto.loader.tokenizer import (
@@ -19,6 +22,7 @@ from impasto.loader.tokenizer import (
     is_gguf_file,
     load_tokenizer,
 )
+from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger("impasto")
@@ -42,6 +46,7 @@ class EngineComponents:
     vocab_size: int
     scheduler_config: SchedulerConfig
     runner: ModelRunner
+    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
@@ -65,22 +70,41 @@ def build_components(args: EngineArgs) -> EngineComponents:
     config = load_config(path)
     dtype = resolve_dtype(args.dtype, config, gguf)
     model = load_model(path, config, dtype).to(device)
+    dcfg, limits = None, config  # limits: the config holding ids, vocab and max positions
+    if getattr(model, "is_diffusion", False):
+        dcfg = DiffusionConfig.resolve(args.diffusion_config, config, path)
+        limits = getattr(config, "text_config", None) or config
+        if args.speculative_config is not None:
+            raise ValueError("speculative_config cannot be used with a diffusion model.")
+    elif args.diffusion_config is not None:
+        raise ValueError(f"diffusion_config was given, but {path.name} is not a diffusion model.")
 
     tokenizer = None
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer or path)
-    eos = get_eos_token_id(tokenizer, config)
+    eos = get_eos_token_id(tokenizer, limits)
     stop_ids = set(get_stop_token_ids(path)) - ({eos} if eos is not None else set())
 
-    max_pos = getattr(config, "max_position_embeddings", None) or 2048
+    max_pos = getattr(limits, "max_position_embeddings", None) or 2048
     max_model_len = args.max_model_len or max_pos
     if max_model_len > max_pos:
         raise ValueError(
             f"max_model_len ({max_model_len}) is larger than the model's maximum "
             f"({max_pos} positions)."
         )
+    spec = None
+    draft = None
+    if args.speculative_config is not None:
+        spec = SpeculativeConfig.from_dict(args.speculative_config)
+        check_target_compat(
+            spec, diffusion=args.diffusion_config is not None, max_model_len=max_model_len
+        )
+        if spec.uses_draft_model:
+            draft = _load_draft(spec, config, dtype, device, max_model_len)
     bs = args.block_size
     per_block = kv_cache_bytes_per_block(model, bs, dtype)
+    if draft is not None:  # the draft's cache is paged by the same block tables
+        per_block += kv_cache_bytes_per_block(draft, bs, dtype)
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
     else:
@@ -107,8 +131,20 @@ def build_components(args: EngineArgs) -> EngineComponents:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         policy=args.scheduling_policy,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+        uniform_spec_decode_padding=bool(spec and spec.uniform_spec_decode_padding),
     )
-    runner = ModelRunner(
+    runner_cls, extra = ModelRunner, {}
+    if dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step
+        sched_config = dataclasses.replace(
+            sched_config,
+            num_speculative_tokens=dcfg.canvas_length,
+            num_sampled_tokens_per_step=0,
+            uniform_spec_decode_padding=False,
+        )
+        runner_cls, extra = DiffusionModelRunner, {"diffusion_config": dcfg}
+    runner = runner_cls(
         model,
         num_blocks=num_blocks,
         block_size=bs,
@@ -117,7 +153,10 @@ def build_components(args: EngineArgs) -> EngineComponents:
         dtype=dtype,
         device=device,
         seed=args.seed,
+        **extra,
     )
+    if spec is not None:
+        runner.proposer = _build_proposer(spec, draft, sched_config, dtype, device, args.seed)
     logger.info(
         "impasto: %s (%s, %s), max_model_len=%d, KV cache %d blocks x %d tokens",
         path.name,
@@ -127,5 +166,45 @@ def build_components(args: EngineArgs) -> EngineComponents:
         num_blocks,
         bs,
     )
-    vocab = int(getattr(config, "vocab_size", 0) or model.kv_cache_shapes() and config.vocab_size)
-    return EngineComponents(path, config, tokenizer, eos, stop_ids, vocab, sched_config, runner)
+    vocab = int(getattr(limits, "vocab_size", 0) or model.kv_cache_shapes() and config.vocab_size)
+    return EngineComponents(
+        path, config, tokenizer, eos, stop_ids, vocab, sched_config, runner, spec
+    )
+
+
+def _load_draft(
+    spec: SpeculativeConfig, target_config: Any, dtype: torch.dtype, device: str, max_len: int
+):
+    assert spec.model is not None
+    draft_path = resolve_model(spec.model)
+    draft_config = load_config(draft_path)
+    check_draft_compat(
+        int(getattr(target_config, "vocab_size", 0)),
+        int(getattr(draft_config, "vocab_size", 0)),
+        spec.model,
+    )
+    draft_max = getattr(draft_config, "max_position_embeddings", None) or max_len
+    if draft_max < max_len:
+        raise ValueError(
+            f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
+            f"max_model_len ({max_len}): decrease max_model_len."
+        )
+    return load_model(draft_path, draft_config, dtype).to(device)
+
+
+def _build_proposer(spec, draft, sched: SchedulerConfig, dtype, device, seed: int):
+    from impasto.worker.spec_decode.draft_model import DraftModelProposer
+    from impasto.worker.spec_decode.ngram import NgramProposer
+
+    if draft is None:
+        return NgramProposer(spec, sched.max_model_len)
+    return DraftModelProposer(
+        spec,
+        draft,
+        num_blocks=sched.num_blocks,
+        block_size=sched.block_size,
+        max_model_len=sched.max_model_len,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )

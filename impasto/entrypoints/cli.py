@@ -1,4 +1,7 @@
-"""The `impasto` command: generate, download (serve and bench come with the server)."""
+"""The `impasto` command: serve, generate, chat, download, bench serve.
+
+Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...).
+"""
 
 from __future__ import annotations
 
@@ -8,53 +11,189 @@ import sys
 import time
 
 
+def _json_arg(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_ENGINE_FLAGS = (
+    "tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
+    "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
+    "scheduling_policy", "tensor_parallel_size",
+)  # fmt: skip
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kw: dict = {"dtype": args.dtype, "seed": args.seed, "max_num_seqs": args.max_num_seqs}
-    if args.max_model_len:
-        kw["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory_bytes:
-        kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    if args.num_gpu_blocks_override:
-        kw["num_gpu_blocks_override"] = args.num_gpu_blocks_override
-    if args.speculative_config:
-        kw["speculative_config"] = json.loads(args.speculative_config)
-    return kw
+    """Only the flags the user set: EngineArgs keeps its own defaults."""
+    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    if positional_model:
+        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--speculative-config", default=None, help="JSON")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON")
+    p.add_argument("--diffusion-config", type=_json_arg, default=None, metavar="JSON")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
+
+
+def _model(args: argparse.Namespace) -> str | None:
+    return getattr(args, "model_tag", None) or args.model
+
+
+def _make_engine(args: argparse.Namespace):
+    from impasto.engine.args import EngineArgs
+    from impasto.engine.engine import LLMEngine
+
+    return LLMEngine(EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args)))
+
+
+def _stream_text(engine, prompt: dict, params, out=sys.stdout) -> tuple[str, int]:
+    """Run one request on an in-process engine, writing text as it is produced."""
+    from impasto.engine.engine_process import StreamState, make_delta
+
+    rid = engine.add_request(None, prompt, params)
+    st = StreamState(list(params.stop or []), params.n)
+    text, tokens = "", 0
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            if result.request_id != rid:
+                continue
+            for c in make_delta(result, st).completions:
+                out.write(c.text)
+                out.flush()
+                text += c.text
+                tokens += len(c.token_ids)
+    return text, tokens
+
+
+def _chat_prompt(engine, messages: list[dict]) -> dict:
+    from impasto.loader.tokenizer import apply_chat_template
+
+    text = apply_chat_template(engine.tokenizer, messages)
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from impasto.entrypoints.llm import LLM
     from impasto.sampling_params import SamplingParams
 
     prompts = args.prompts or ["Write a haiku about paint."]
-    llm = LLM(args.model, **_engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
     )
-    conversations = [[{"role": "user", "content": p}] for p in prompts]
-    start = time.perf_counter()
-    if args.raw:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    else:
-        outputs = llm.chat(conversations, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    total = 0
-    for prompt, out in zip(prompts, outputs, strict=True):
-        completion = out.outputs[0]
-        total += len(completion.token_ids)
-        print(f"### {prompt}\n{completion.text.strip()}\n")
-    print(f"{len(prompts)} prompts, {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s")
+    if len(prompts) > 1:  # a batch: run together, print each when all are done
+        from impasto.entrypoints.llm import LLM
+
+        llm = LLM(_model(args), **_engine_kwargs(args))
+        start = time.perf_counter()
+        if args.raw:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            convs = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(convs, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        total = 0
+        for prompt, out in zip(prompts, outputs, strict=True):
+            total += len(out.outputs[0].token_ids)
+            print(f"### {prompt}\n{out.outputs[0].text.strip()}\n")
+    else:  # one prompt: stream it to the terminal
+        engine = _make_engine(args)
+        conv = [{"role": "user", "content": prompts[0]}]
+        prompt = {"prompt": prompts[0]} if args.raw else _chat_prompt(engine, conv)
+        print(f"### {prompts[0]}")
+        start = time.perf_counter()
+        _, total = _stream_text(engine, prompt, params)
+        elapsed = time.perf_counter() - start
+        print("\n")
+    rate = total / max(elapsed, 1e-9)
+    print(f"{len(prompts)} prompts, {total} tokens in {elapsed:.2f} s: {rate:.1f} tok/s")
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from impasto.sampling_params import SamplingParams
+
+    messages: list[dict] = []
+    if args.system_prompt:
+        messages.append({"role": "system", "content": args.system_prompt})
+    engine = None if args.url else _make_engine(args)
+    print("impasto chat: type a message, /reset to clear, /quit or Ctrl-D to leave.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system_prompt else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            if engine is not None:
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+                reply, _ = _stream_text(engine, _chat_prompt(engine, messages), params)
+            else:
+                reply = _remote_chat(args, messages)
+        except KeyboardInterrupt:
+            print("\n(interrupted)")
+            messages.pop()
+            continue
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _remote_chat(args: argparse.Namespace, messages: list[dict]) -> str:
+    """Stream one reply from an OpenAI-compatible server (standard library only)."""
+    import urllib.request
+
+    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens}
+    body["temperature"] = args.temperature
+    if args.served_model:
+        body["model"] = args.served_model
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    url = args.url.rstrip("/") + "/chat/completions"
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    reply = ""
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                print(piece, end="", flush=True)
+                reply += piece
+    return reply
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -64,9 +203,45 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from impasto.engine.args import EngineArgs
+    from impasto.entrypoints.openai.server import ServeConfig, run_server
+
+    engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
+    cfg = ServeConfig(
+        engine_args=engine_args,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name or [],
+        log_level=args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        max_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        max_logprobs=args.max_logprobs,
+    )
+    return run_server(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     parser = argparse.ArgumentParser(prog="impasto", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_flags(srv, positional_model=True)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("IMPASTO_API_KEY"))
+    srv.add_argument("--served-model-name", nargs="+", default=None)
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true")
+    srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0)
+    srv.add_argument("--max-logprobs", type=int, default=20)
+    srv.set_defaults(func=cmd_serve)
+
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -75,8 +250,29 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="no chat template")
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat (in-process, or with --url a server)")
+    _add_engine_flags(chat, positional_model=True)
+    chat.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000/v1")
+    chat.add_argument("--api-key", default=os.environ.get("IMPASTO_API_KEY"))
+    chat.add_argument("--served-model", default=None, help="model name for --url")
+    chat.add_argument("--system-prompt", default=None)
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.set_defaults(func=cmd_chat)
+
     dl = sub.add_parser("download", help="fetch the default model into the cache")
     dl.set_defaults(func=cmd_download)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from impasto.bench.serve import add_cli_args
+    from impasto.bench.serve import main as bench_serve_main
+
+    bs = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    add_cli_args(bs)
+    bs.set_defaults(func=bench_serve_main)
+
     args = parser.parse_args(argv)
     return args.func(args)
 

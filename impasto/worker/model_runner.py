@@ -14,7 +14,8 @@ from impasto.attention.metadata import AttentionMetadata, forward_context
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.request_state import Phase, RequestState
-from impasto.worker.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from impasto.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from impasto.worker.spec_decode import Proposer, RejectionSampler, StepResult
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -48,6 +49,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.requests: dict[str, RequestState] = {}  # running and preempted requests
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.proposer: Proposer | None = None  # set by the engine when speculation is on
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
@@ -134,7 +137,11 @@ class ModelRunner:
             idx = torch.tensor(logits_idx, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             sampling = self._sampling_metadata(req_ids, rows, sample_plan, spec)
-            out = self.sampler(logits, sampling)
+            num_accepted = None
+            if any(req_ids[b] in spec for b, _, _ in sample_plan):
+                out, num_accepted = self._verify(logits, sampling, req_ids, rows, sample_plan, spec)
+            else:
+                out = self.sampler(logits, sampling)
             tokens = out.sampled_token_ids.tolist()
             lp_rows = None
             if out.logprobs is not None:
@@ -144,20 +151,38 @@ class ModelRunner:
                     for _ in range(k)
                 ]
                 lp_rows = out.logprobs.to_dicts(num_top)
-            for b, first, k in sample_plan:
-                drafts = spec.get(req_ids[b], [])
-                row_tokens = tokens[first : first + k]
-                accepted = 0  # lossless for deterministic drafts: the target's own sample
-                while accepted < len(drafts) and drafts[accepted] == row_tokens[accepted]:
-                    accepted += 1
-                toks = row_tokens[: accepted + 1]
+            for i, (b, first, _) in enumerate(sample_plan):
+                # Rows first..first+accepted hold the accepted drafts and the bonus/correction.
+                accepted = num_accepted[i] if num_accepted is not None else 0
+                toks = tokens[first : first + accepted + 1]
                 sampled[b] = toks
                 state = self.batch.states[rows[b]]
                 state.phase = Phase.DECODE
                 batch.append_tokens(int(rows[b]), toks)
                 if lp_rows is not None and state.sampling_params.logprobs is not None:
                     logprobs[req_ids[b]] = lp_rows[first : first + len(toks)]
-        return ModelRunnerOutput(req_ids, sampled, None, logprobs, prompt_lps)
+        drafts_next = None
+        if self.proposer is not None:
+            verified = [spec.get(r, []) for r in req_ids]
+            step = StepResult(req_ids, rows, start, num_sched, sampled, verified)
+            drafts_next = self.proposer.propose(batch, step)
+        return ModelRunnerOutput(req_ids, sampled, drafts_next, logprobs, prompt_lps)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingMetadata,
+        req_ids: list[str],
+        rows: np.ndarray,
+        plan: list[tuple[int, int, int]],
+        spec: dict[str, list[int]],
+    ) -> tuple[SamplerOutput, list[int]]:
+        """Rejection-sample the rows of a step with drafts (losslessly, any sampling params)."""
+        drafts = [spec.get(req_ids[b], []) for b, _, _ in plan]
+        # A draft model's q for random requests; None: deterministic drafts (one-hot q).
+        q = [self.batch.states[rows[b]].extra.get("draft_probs") for b, _, _ in plan]
+        first_k = [(first, k - 1) for _, first, k in plan]
+        return self.rejection_sampler(logits, sampling, first_k, drafts, q)
 
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray

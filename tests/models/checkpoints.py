@@ -14,7 +14,12 @@ from transformers import (
     Qwen3Config,
 )
 
-CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+CONFIGS = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
 
 TINY: dict[str, Any] = dict(
     hidden_size=64,

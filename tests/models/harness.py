@@ -119,7 +119,9 @@ def run_greedy(
     step = 0
     while any(len(o) < max_new for o in outs):
         active = [i for i in range(min(step + 1, len(seqs))) if len(outs[i]) < max_new]
-        work = [Work(seqs[i], min(chunk, len(seqs[i].tokens) - seqs[i].num_computed)) for i in active]
+        work = [
+            Work(seqs[i], min(chunk, len(seqs[i].tokens) - seqs[i].num_computed)) for i in active
+        ]
         for i, logits in zip(active, runner.step(work), strict=True):
             s = seqs[i]
             if not outs[i]:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from impasto.attention import torch_plan
 from impasto.attention.backend import get_attention_backend
 from impasto.attention.metadata import forward_context
 from impasto.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
@@ -137,3 +138,18 @@ def test_plan_is_shared_across_layers_of_one_forward():
         assert backend.plan(meta) is not plan  # a new forward builds a new plan
     torch.testing.assert_close(o0.double(), ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(o1, o0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 10000])
+def test_short_queries_split_in_chunks(monkeypatch, chunk_bytes):
+    """Tiny chunk budgets: one request per chunk, or a few requests padded per chunk."""
+    monkeypatch.setattr(torch_plan, "CHUNK_BYTES", chunk_bytes)
+    cases = [(c, q, c % 2 == 0, True) for c, q in ((3, 1), (30, 2), (0, 1), (12, 5), (50, 1))]
+    meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=4)
+    backend = TorchAttentionBackend()
+    with forward_context(meta, [cache]):
+        out = backend.forward(q, k, v, cache, meta, scale=0.3, sliding_window=20)
+        chunks = backend.plan(meta).group.chunks(2 * 2 * 8 * 4)
+    assert len(chunks) == (5 if chunk_bytes == 1 else 3)
+    ref = dense_reference(q, keys, values, cases, 0.3, 20, None)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)

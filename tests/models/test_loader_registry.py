@@ -17,9 +17,7 @@ def tiny(tmp_path_factory):
 
 
 def test_sharded_checkpoint_loads_identically(tiny, tmp_path):
-    sharded = build_checkpoint(
-        tmp_path, "qwen2", tie_word_embeddings=False, max_shard_size="100KB"
-    )
+    sharded = build_checkpoint(tmp_path, "qwen2", tie_word_embeddings=False, max_shard_size="100KB")
     assert (sharded / "model.safetensors.index.json").exists()
     assert len(safetensors_files(sharded)) > 1
     a, _ = load_hf_model(tiny)
@@ -85,3 +83,11 @@ def test_missing_folder_and_files(tmp_path):
         list(iter_safetensors(tmp_path))
     save_file({"a": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
     assert [n for n, _ in iter_safetensors(tmp_path)] == ["a"]
+
+
+def test_cast_keeps_tied_head_shared(tmp_path):
+    model, _ = load_hf_model(build_checkpoint(tmp_path, "llama", tie_word_embeddings=True))
+    model.to(torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32  # never degraded

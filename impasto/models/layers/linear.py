@@ -84,6 +84,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             raise ValueError("a fused projection needs the shard id of each loaded tensor")
         offset, size = self._offset(shard_id)
+        if loaded.shape[0] != size * tp_size():
+            raise ValueError(
+                f"shape mismatch for shard {shard_id!r}: {tuple(loaded.shape)}, "
+                f"expected {size * tp_size()} rows"
+            )
         loaded = loaded.narrow(0, tp_rank() * size, size)
         _copy(param.data.narrow(0, offset, size), loaded)
 

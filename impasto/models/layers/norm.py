@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,11 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gemma:  # bit-identical to HF in float32; bf16 skips one rounding step
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:  # Gemma multiplies in float32, then casts
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)  # Gemma: float32 product
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

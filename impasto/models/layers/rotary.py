@@ -56,21 +56,24 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = 2 * self.inv_freq.numel()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[T] -> [2, T, 1, rot_dim // 2] (cos, sin), computed in float32 then cast like HF."""
+        """[T] -> [2, T, 1, rot_dim]: (cos | cos, -sin | sin), float32 math then cast like HF."""
         inv = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * inv  # [T, rot/2]
-        return torch.stack([freqs.cos(), freqs.sin()]).to(dtype)[:, :, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)])
+        return table.to(dtype)[:, :, None, :]
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, head_dim] (any strides); returns a new contiguous tensor."""
-        cos, sin = cos_sin[0], cos_sin[1]
-        half = self.rot_dim // 2
-        x1, x2 = x[..., :half], x[..., half : self.rot_dim]
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        torch.mul(x1, cos, out=out[..., :half])
-        out[..., :half] -= x2 * sin
-        torch.mul(x2, cos, out=out[..., half : self.rot_dim])
-        out[..., half : self.rot_dim] += x1 * sin
+        """Rotate x [T, H, head_dim] (any strides); returns a new tensor.
+
+        x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the sin table and
+        the half swap done by `roll` (bit-identical to HF's formula).
+        """
         if self.rot_dim < self.head_dim:  # partial rotary: the tail passes through
-            out[..., self.rot_dim :] = x[..., self.rot_dim :]
-        return out
+            head = _rotate(x[..., : self.rot_dim], cos_sin)
+            return torch.cat([head, x[..., self.rot_dim :]], dim=-1)
+        return _rotate(x, cos_sin)
+
+
+def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    return x * cos_sin[0] + x.roll(x.shape[-1] // 2, -1) * cos_sin[1]

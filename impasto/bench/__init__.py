@@ -1,0 +1,1 @@
+"""Benchmark clients (`impasto bench ...`)."""

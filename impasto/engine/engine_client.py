@@ -1,0 +1,261 @@
+"""The API process's handle on the engine process: spawn it, stream deltas, detect its death.
+
+Invariants:
+- `generate()` ends in exactly one of: a delta with `finished`, `EngineRequestError` (the
+  engine refused or failed this request) or `EngineDeadError`. It never waits on a dead engine:
+  the process sentinel is watched by the event loop, and its death fails every pending stream.
+- Leaving `generate()` early (client disconnect, cancellation) aborts the request in the engine,
+  which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from itertools import count
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from impasto.engine import ipc
+from impasto.engine.args import EngineArgs
+from impasto.engine.engine_process import run_engine_process
+
+logger = logging.getLogger("impasto")
+
+
+class EngineDeadError(RuntimeError):
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(f"The engine process is dead{': ' + detail if detail else ''}.")
+
+
+class EngineRequestError(Exception):
+    def __init__(self, err: ipc.RequestError) -> None:
+        super().__init__(err.message)
+        self.status, self.param, self.message = err.status, err.param, err.message
+
+
+def _merge(first: ipc.RequestDelta, rest: list[ipc.RequestDelta]) -> ipc.RequestDelta:
+    """Fold consecutive deltas of one request into one (a slow reader gets bigger chunks)."""
+    if not rest:
+        return first
+    by_index: dict[int, ipc.CompletionDelta] = {}
+    for d in [first, *rest]:
+        for c in d.completions:
+            acc = by_index.get(c.index)
+            if acc is None:
+                by_index[c.index] = ipc.CompletionDelta(
+                    c.index, c.text, list(c.token_ids), c.logprobs and list(c.logprobs),
+                    c.cumulative_logprob, c.finish_reason, c.stop_reason,
+                )  # fmt: skip
+                continue
+            acc.text += c.text
+            acc.token_ids += c.token_ids
+            if c.logprobs is not None:
+                acc.logprobs = (acc.logprobs or []) + c.logprobs
+            acc.cumulative_logprob = c.cumulative_logprob
+            acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+    last = rest[-1]
+    comps = sorted(by_index.values(), key=lambda c: c.index)
+    return ipc.RequestDelta(
+        first.request_id, comps, last.finished, last.num_prompt_tokens, last.num_cached_tokens
+    )
+
+
+class AsyncEngineClient:
+    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+        self.args = args
+        self.log_level = log_level
+        self.errored = False
+        self.dead_reason = ""
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.model_path = ""
+        self.engine_pid: int | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._utility: dict[int, asyncio.Future] = {}
+        self._call_ids = count()
+        self._tmp = tempfile.mkdtemp(prefix="impasto-ipc-")
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self, timeout_s: float = 900.0) -> None:
+        """Spawn the engine process and wait until its model is loaded (or it failed)."""
+        in_addr, out_addr = f"ipc://{self._tmp}/input", f"ipc://{self._tmp}/output"
+        self._ctx = zmq.Context()
+        self._actx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._actx.socket(zmq.PULL)
+        for sock in (self._in, self._out):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=run_engine_process,
+            args=(self.args, in_addr, out_addr, os.getpid(), self.log_level),
+            name="impasto-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        self.engine_pid = self._proc.pid
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self._out.poll(200):
+                msg = ipc.decode_output(await self._out.recv())
+                if isinstance(msg, ipc.Ready):
+                    break
+                if isinstance(msg, ipc.StartupFailed):
+                    await self.shutdown()
+                    raise RuntimeError(f"engine startup failed: {msg.message}")
+            elif not self._proc.is_alive():
+                code = self._proc.exitcode
+                await self.shutdown()
+                raise RuntimeError(f"the engine process exited during startup (code {code})")
+            elif time.monotonic() > deadline:
+                await self.shutdown()
+                raise RuntimeError(f"the engine did not start within {timeout_s:.0f} s")
+        self.max_model_len, self.vocab_size = msg.max_model_len, msg.vocab_size
+        self.model_path = msg.model_path
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._proc.sentinel, self._on_process_exit)
+        self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-outputs"))
+
+    def _on_process_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        if self._closed:
+            return
+        self._proc.join(0)
+        self._mark_dead(f"exit code {self._proc.exitcode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.errored:
+            return
+        self.errored, self.dead_reason = True, reason
+        logger.error("engine process died unexpectedly (%s); failing in-flight requests", reason)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+        for fut in self._utility.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Drain and stop the engine process; kill it if it does not stop in time."""
+        if self._closed:
+            return
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            try:
+                self._in.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            deadline = time.monotonic() + timeout_s
+            while proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(3)
+        for task in self._tasks:
+            task.cancel()
+        if proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (ValueError, OSError):
+                pass
+        for sock in (getattr(self, "_in", None), getattr(self, "_out", None)):
+            if sock is not None:
+                sock.close(0)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- outputs ------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            msg = ipc.decode_output(await self._out.recv())
+            if isinstance(msg, ipc.Outputs):
+                for delta in msg.deltas:
+                    q = self._queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+                for err in msg.errors:
+                    q = self._queues.get(err.request_id)
+                    if q is not None:
+                        q.put_nowait(EngineRequestError(err))
+            elif isinstance(msg, ipc.UtilityResult):
+                fut = self._utility.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+
+    def _send(self, msg: ipc.EngineInput) -> None:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            self._in.send(ipc.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            raise EngineDeadError(f"cannot reach the engine: {e}") from e
+
+    # -- requests -----------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        prompt: str | None,
+        params: dict[str, Any],
+        priority: int = 0,
+    ) -> AsyncIterator[ipc.RequestDelta]:
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        finished = False
+        try:
+            self._send(ipc.AddRequest(request_id, prompt_token_ids, prompt, params, priority))
+            while not finished:
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                for item in items:
+                    if isinstance(item, Exception):
+                        finished = True  # nothing to abort: the engine dropped it (or died)
+                        raise item
+                delta = _merge(items[0], items[1:])
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and not self.errored:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(ipc.Abort([request_id]))
+        except EngineDeadError:
+            pass
+
+    async def call_utility(self, method: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility[call_id] = fut
+        try:
+            self._send(ipc.UtilityCall(call_id, method))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._utility.pop(call_id, None)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.errored and self._proc is not None and self._proc.is_alive()

@@ -1,0 +1,257 @@
+"""The engine loop in its own process, driven by messages from the API process over ZMQ.
+
+Invariants:
+- Nothing a request does can end the loop: admission errors become `RequestError(400)`, a step
+  that raises fails the requests in flight (500) and the loop goes on.
+- Every request the loop accepted gets exactly one terminal message (a delta with `finished`,
+  or an error), unless the API process aborted it first.
+- Streamed text never contains a partial stop string: until a completion finishes, the tail of
+  its text that is a proper prefix of one of its stop strings is held back (the detokenizer may
+  still cut the text there).
+- The process exits when told to (after draining), or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+
+import zmq
+
+from impasto.engine import ipc
+from impasto.engine.args import EngineArgs
+from impasto.outputs import RequestOutput
+from impasto.sampling_params import SamplingParams
+
+logger = logging.getLogger("impasto")
+
+_IDLE_POLL_MS = 500  # how often an idle loop checks that its parent is alive
+_TERM = {"requested": False}  # set by SIGTERM: drain like a Shutdown message
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
+@dataclass
+class StreamState:
+    """What was already sent for one request, per completion index."""
+
+    stops: list[str]
+    n: int
+    sent_chars: list[int] = field(default_factory=list)
+    sent_tokens: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sent_chars = [0] * self.n
+        self.sent_tokens = [0] * self.n
+        self.done = [False] * self.n
+
+
+def _logprob_entries(position: dict) -> list[ipc.LogprobEntry]:
+    entries = [(t, lp.logprob, lp.rank or 0, lp.decoded_token) for t, lp in position.items()]
+    return sorted(entries, key=lambda e: e[2])
+
+
+def make_delta(out: RequestOutput, st: StreamState) -> ipc.RequestDelta:
+    """The part of a cumulative `RequestOutput` not sent yet (updates `st`)."""
+    comps = []
+    for c in out.outputs:
+        i = c.index
+        finished = c.finish_reason is not None
+        end = len(c.text) if finished else len(c.text) - held_back(c.text, st.stops)
+        text = c.text[st.sent_chars[i] : end] if end > st.sent_chars[i] else ""
+        st.sent_chars[i] = max(st.sent_chars[i], end)
+        start = st.sent_tokens[i]
+        tokens = c.token_ids[start:]
+        st.sent_tokens[i] = len(c.token_ids)
+        newly_done = finished and not st.done[i]
+        st.done[i] = finished
+        if not text and not tokens and not newly_done:
+            continue
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [_logprob_entries(p) for p in c.logprobs[start:]]
+        comps.append(
+            ipc.CompletionDelta(
+                index=i,
+                text=text,
+                token_ids=tokens,
+                logprobs=logprobs,
+                cumulative_logprob=c.cumulative_logprob,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    return ipc.RequestDelta(
+        out.request_id, comps, out.finished, len(out.prompt_token_ids), out.num_cached_tokens
+    )
+
+
+class EngineLoop:
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.pull, self.push = pull, push
+        self.parent_pid = parent_pid
+        self.streams: dict[str, StreamState] = {}
+        self.errors: list[ipc.RequestError] = []
+        self.draining = False
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            self.draining = self.draining or _TERM["requested"]
+            if self.draining and not busy and not self.streams:
+                return
+            if os.getppid() != self.parent_pid:  # orphaned: nobody can read our outputs
+                logger.warning("engine: the API process is gone, exiting")
+                return
+            if poller.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain_inputs()
+            deltas = self._step() if self.engine.has_unfinished_requests() else []
+            if deltas or self.errors:
+                self.push.send(ipc.encode(ipc.Outputs(deltas, self.errors)))
+                self.errors = []
+
+    # -- inputs -------------------------------------------------------------------------------
+    def _drain_inputs(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = ipc.decode_input(data)
+            if isinstance(msg, ipc.AddRequest):
+                self._add(msg)
+            elif isinstance(msg, ipc.Abort):
+                self._abort(msg.request_ids)
+            elif isinstance(msg, ipc.UtilityCall):
+                try:
+                    result = self._utility(msg.method)
+                except Exception as e:  # noqa: BLE001 - a diagnostic call never ends the loop
+                    logger.error(
+                        "engine: utility %s failed\n%s", msg.method, traceback.format_exc()
+                    )
+                    result = {"error": f"{type(e).__name__}: {e}"}
+                self.push.send(ipc.encode(ipc.UtilityResult(msg.call_id, result)))
+            elif isinstance(msg, ipc.Shutdown):
+                self.draining = True
+
+    def _add(self, msg: ipc.AddRequest) -> None:
+        if self.draining:
+            self.errors.append(ipc.RequestError(msg.request_id, "the engine is shutting down", 503))
+            return
+        try:
+            params = SamplingParams(**msg.params)
+            prompt = {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids}
+            self.engine.add_request(msg.request_id, prompt, params, priority=msg.priority)
+        except (ValueError, TypeError) as e:
+            param = getattr(e, "param", None)
+            self.errors.append(ipc.RequestError(msg.request_id, str(e), 400, param))
+            return
+        except Exception as e:  # noqa: BLE001 - an engine bug refuses this request only
+            logger.error("engine: add_request failed\n%s", traceback.format_exc())
+            self.errors.append(ipc.RequestError(msg.request_id, f"{type(e).__name__}: {e}", 500))
+            return
+        self.streams[msg.request_id] = StreamState(list(params.stop or []), params.n)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        known = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+        if known:
+            try:
+                self.engine.abort_request(known)
+            except Exception:  # noqa: BLE001
+                logger.error("engine: abort failed\n%s", traceback.format_exc())
+
+    def _utility(self, method: str) -> dict:
+        engine = self.engine
+        sched = engine.scheduler
+        # Refresh the gauges: after aborts the engine may not have stepped since.
+        engine.metrics.observe_scheduler(sched.make_stats())
+        if method == "metrics":
+            return {
+                "metrics": [
+                    [m.name, m.value, m.kind, m.documentation] for m in engine.get_metrics()
+                ]
+            }
+        kv = sched.kv_cache_manager
+        return {
+            "num_unfinished_requests": sched.get_num_unfinished_requests(),
+            "num_free_blocks": kv.num_free_blocks,
+            "num_blocks": sched.config.num_blocks,
+            "num_streams": len(self.streams),
+        }
+
+    # -- the step -----------------------------------------------------------------------------
+    def _step(self) -> list[ipc.RequestDelta]:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail what is in flight, keep the loop
+            logger.error("engine: step failed\n%s", traceback.format_exc())
+            self._fail_all(f"{type(e).__name__}: {e}")
+            return []
+        deltas = []
+        for out in outputs:
+            st = self.streams.get(out.request_id)
+            if st is None:  # aborted by the API process meanwhile
+                continue
+            deltas.append(make_delta(out, st))
+            if out.finished:
+                del self.streams[out.request_id]
+        return deltas
+
+    def _fail_all(self, message: str) -> None:
+        ids = list(self.streams)
+        self.errors += [ipc.RequestError(rid, message, 500) for rid in ids]
+        self.streams.clear()
+        try:
+            self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001
+            logger.error("engine: abort after a failed step failed\n%s", traceback.format_exc())
+
+
+def run_engine_process(
+    args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+) -> None:
+    """Entry point of the engine process (spawned)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group: the API process decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _TERM.update(requested=True))
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(input_addr)
+    push.connect(output_addr)
+    try:
+        from impasto.engine.engine import LLMEngine
+
+        engine = LLMEngine(args)
+    except Exception as e:  # noqa: BLE001 - reported to the API process, which exits
+        logger.error("engine: startup failed\n%s", traceback.format_exc())
+        push.send(ipc.encode(ipc.StartupFailed(f"{type(e).__name__}: {e}")))
+        push.close()
+        ctx.term()
+        return
+    ready = ipc.Ready(os.getpid(), engine.max_model_len, engine.vocab_size, str(engine.model_path))
+    push.send(ipc.encode(ready))
+    EngineLoop(engine, pull, push, parent_pid).run()
+    pull.close()
+    push.close()
+    ctx.term()

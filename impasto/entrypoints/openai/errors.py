@@ -1,0 +1,106 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, one place.
+
+Invariant: every failure a client can cause is a 4xx with this body; 5xx only for engine
+failures. Error messages are bounded (a huge invalid body must not produce a huge error).
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from impasto.engine.engine_client import EngineDeadError, EngineRequestError
+from impasto.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("impasto")
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+_MAX_ERRORS, _MAX_INPUT_CHARS = 10, 200
+
+
+class APIError(Exception):
+    """Raised by handlers; turned into an error response."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "")
+    info = ErrorInfo(message=message, type=err_type, param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """Map any exception from a handler to the status a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineRequestError):
+        return APIError(exc.message, exc.status, exc.param)
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 500)
+    if isinstance(exc, (ValueError, TypeError, OverflowError)):
+        return APIError(str(exc), 400, getattr(exc, "param", None))
+    if isinstance(exc, NotImplementedError):
+        return APIError(str(exc), 501)
+    logger.exception("internal error", exc_info=exc)
+    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for err in errors[:_MAX_ERRORS]:
+        if err.get("type") == "json_invalid":
+            parts.append(f"Invalid JSON body: {err.get('ctx', {}).get('error', 'parse error')}")
+            continue
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        value = repr(err.get("input"))
+        if len(value) > _MAX_INPUT_CHARS:
+            value = value[:_MAX_INPUT_CHARS] + "..."
+        where = ".".join(loc) or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')} (input: {value})")
+    if len(errors) > _MAX_ERRORS:
+        parts.append(f"... and {len(errors) - _MAX_ERRORS} more errors")
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, exc: Exception) -> JSONResponse:
+        err = as_api_error(exc)
+        return error_response(err.message, err.status, err.param)

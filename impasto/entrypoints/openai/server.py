@@ -1,0 +1,145 @@
+"""`impasto serve`: bind the port, start the engine process, run uvicorn, shut down cleanly.
+
+Order matters: the port is bound first (a busy port fails in milliseconds, not after loading a
+model); the engine process loads the model while this process loads the tokenizer; SIGTERM /
+Ctrl-C make uvicorn stop accepting, finish the open requests (up to the shutdown timeout), then
+the engine process drains and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from impasto.engine.args import EngineArgs
+from impasto.engine.engine_client import AsyncEngineClient
+from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
+from impasto.entrypoints.openai.metrics import ServerMetrics
+from impasto.entrypoints.openai.serving import ServerState
+from impasto.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
+
+logger = logging.getLogger("impasto")
+
+
+@dataclass
+class ServeConfig:
+    engine_args: EngineArgs
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: list[str] = field(default_factory=list)
+    log_level: str = "info"
+    access_log: bool = True
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    max_logprobs: int = 20
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"impasto serve: cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serving_threads() -> int:
+    """Torch threads for the engine process: leave one core to the API process (HTTP, SSE,
+    tokenization) when torch would take them all, since oversubscribed compute threads stall
+    each other at every barrier."""
+    import torch
+
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    return max(1, threads - 1) if threads >= cores else threads
+
+
+def _banner(cfg: ServeConfig, name: str, port: int, engine_pid: int | None) -> str:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+    url = f"http://{host}:{port}"
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
+    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    return (
+        f"impasto is serving {name} at {url}/v1 (OpenAI-compatible; "
+        f"engine process pid {engine_pid})\n"
+        f"Try it:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{body}'\n"
+    )
+
+
+async def serve(cfg: ServeConfig) -> int:
+    sock = bind_socket(cfg.host, cfg.port)
+    port = sock.getsockname()[1]
+    args = cfg.engine_args
+    model_path = resolve_model(args.model)  # fetches the default model once, before spawning
+    default = args.model is None or args.model in DEFAULT_MODEL_ALIASES
+    names = cfg.served_model_name or [DEFAULT_MODEL_NAME if default else str(args.model)]
+    args.model = str(model_path)
+    if args.num_threads is None:
+        args.num_threads = serving_threads()
+    client = AsyncEngineClient(args, log_level=cfg.log_level)
+    tokenizer_task = None
+    if not args.skip_tokenizer_init:
+        from impasto.loader.tokenizer import load_tokenizer
+
+        tokenizer_task = asyncio.create_task(
+            asyncio.to_thread(load_tokenizer, args.tokenizer or model_path)
+        )
+    try:
+        await client.start()
+    except BaseException:
+        sock.close()
+        if tokenizer_task is not None:
+            tokenizer_task.cancel()
+        raise
+    tokenizer = await tokenizer_task if tokenizer_task is not None else None
+    state = ServerState(
+        client, tokenizer, names, ServerMetrics(names[0]), max_logprobs=cfg.max_logprobs
+    )
+    app = build_app(state, cfg.api_key, cfg.max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.shutdown()
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(
+        app,
+        log_level=cfg.log_level,
+        access_log=cfg.access_log,
+        timeout_graceful_shutdown=int(cfg.shutdown_timeout),
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done: make that harmless, so the
+    # engine shutdown below always runs.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    print(_banner(cfg, names[0], port, client.engine_pid), flush=True)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await client.shutdown()
+        sock.close()
+    return 0
+
+
+def run_server(cfg: ServeConfig) -> int:
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(serve(cfg))

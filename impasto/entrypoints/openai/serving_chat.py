@@ -1,0 +1,234 @@
+"""POST /v1/chat/completions: the model's chat template, one engine request with `n` choices.
+
+Streams send a role chunk per choice first, then content deltas, one chunk with each choice's
+finish_reason, an optional usage chunk, and always `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from impasto.engine import ipc
+from impasto.entrypoints.openai.errors import APIError, as_api_error, error_body
+from impasto.entrypoints.openai.metrics import RequestTimer
+from impasto.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from impasto.entrypoints.openai.serving import (
+    Choice,
+    PromptRun,
+    ServerState,
+    clamp_logprob,
+    close_runs,
+    merged,
+    new_id,
+    race_disconnect,
+    start_runs,
+    usage_of,
+)
+from impasto.loader.tokenizer import apply_chat_template
+
+
+def _content(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError("only text content parts are supported.", 400, "messages")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def chat_prompt_ids(
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    if state.tokenizer is None:
+        raise APIError("chat needs a tokenizer.", 400, "messages")
+    conv = [{"role": m.role, "content": _content(m)} for m in messages]
+    kwargs = dict(template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+        add_generation_prompt = False
+    try:
+        text = apply_chat_template(state.tokenizer, conv, add_generation_prompt, **kwargs)
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+        raise APIError(f"chat template error: {type(e).__name__}: {e}", 400, "messages") from e
+    # The template already carries the special tokens.
+    return state.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _logprobs(state: ServerState, choice: Choice, start: int, top_n: int) -> ChatLogprobs:
+    content = []
+    for tok, entries in zip(choice.token_ids[start:], choice.logprobs[start:], strict=False):
+        sampled = next((e for e in entries if e[0] == tok), (tok, -9999.0, 0, None))
+        text = state.token_str(tok, sampled[3])
+        top = [
+            TopLogprob(
+                token=(s := state.token_str(e[0], e[3])),
+                logprob=clamp_logprob(e[1]),
+                bytes=list(s.encode()),
+            )
+            for e in entries[:top_n]
+        ]
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=clamp_logprob(sampled[1]),
+                bytes=list(text.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest, raw: Request
+) -> Response:
+    state.check_model(req.model)
+    ids = chat_prompt_ids(
+        state,
+        req.messages,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+    )
+    state.check_prompt(ids, "messages")
+    # max_completion_tokens is the current name, max_tokens the deprecated one.
+    max_tokens = req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = req.max_tokens
+    top_n = req.top_logprobs or 0
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
+    logprobs = top_n if req.logprobs else None
+    params = state.sampling_params(req, max_tokens, logprobs, len(ids))
+    base_id = new_id("chatcmpl")
+    timer = RequestTimer(state.metrics, len(ids))
+    run = PromptRun(base_id, ids, params, timer, [Choice(j) for j in range(req.n)])
+    stream = merged(start_runs(state, [run], req.priority))
+    handed_off = False
+    try:
+        ok, first = await race_disconnect(raw, anext(stream, None))
+        if not ok:
+            return Response(status_code=499)
+        if req.stream:
+            handed_off = True  # the stream accounts for its runs from here
+            return StreamingResponse(
+                _stream(state, req, run, stream, first), media_type="text/event-stream"
+            )
+
+        async def collect() -> None:
+            item = first
+            while item is not None:
+                run.apply(item[1])
+                item = await anext(stream, None)
+
+        ok, _ = await race_disconnect(raw, collect())
+        if not ok:
+            return Response(status_code=499)
+    except Exception as e:
+        close_runs([run], as_api_error(e))
+        raise
+    finally:
+        if not handed_off:
+            close_runs([run], None)
+    choices = []
+    for c in run.choices:
+        if c.finish_reason == "error":
+            raise APIError("Internal server error: the engine failed this request.", 500)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=_logprobs(state, c, 0, top_n) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    body = ChatCompletionResponse(
+        id=base_id, model=state.model_name, choices=choices, usage=usage_of([run])
+    )
+    return JSONResponse(body.model_dump())
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    run: PromptRun,
+    stream: AsyncIterator,
+    first: tuple[int, ipc.RequestDelta] | None,
+) -> AsyncIterator[str]:
+    head = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time())}
+    head["model"] = state.model_name
+    opts = req.stream_options
+    top_n = req.top_logprobs or 0
+    try:
+        roles = [
+            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            for c in run.choices
+        ]
+        yield _sse({**head, "choices": [{**r, "finish_reason": None} for r in roles]})
+        item = first
+        while item is not None:
+            delta: ipc.RequestDelta = item[1]
+            run.apply(delta)
+            out = []
+            for c in delta.completions:
+                if c.finish_reason == "error":
+                    raise APIError("Internal server error: the engine failed this request.", 500)
+                if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                    continue
+                choice = run.choices[c.index]
+                lp = None
+                if req.logprobs:
+                    start = len(choice.token_ids) - len(c.token_ids)
+                    lp = _logprobs(state, choice, start, top_n).model_dump()
+                out.append(
+                    {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text else {},
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+            if out:
+                chunk = {**head, "choices": out}
+                if opts is not None and opts.continuous_usage_stats:
+                    chunk["usage"] = usage_of([run]).model_dump()
+                yield _sse(chunk)
+            item = await anext(stream, None)
+        if opts is not None and opts.include_usage:
+            yield _sse({**head, "choices": [], "usage": usage_of([run]).model_dump()})
+    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+        err = as_api_error(e)
+        close_runs([run], err)
+        yield _sse(error_body(err.message, err.status, err.param))
+    finally:
+        close_runs([run], None)
+        await stream.aclose()  # type: ignore[attr-defined]
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,173 @@
+"""The diffusion model runner: PREFILL -> (DENOISE x k -> COMMIT)* per request, explicitly.
+
+Phase is the runner's own state (`RequestState.phase`), never inferred from query lengths:
+
+- PREFILL: no canvas scheduled; a causal chunk that writes KV. When the committed tokens are
+  all computed, a random canvas is drawn at position `num_tokens` -> DENOISE.
+- DENOISE: the canvas (the request's spec tokens: all of it, or its tail clipped at
+  max_model_len) is attended bidirectionally, read-only (`slot_mapping = -1`); the sampler
+  updates it; 0 tokens are reported sampled. Converged -> COMMIT with the argmax canvas.
+- COMMIT: one causal pass over the argmax canvas writes its KV; the canvas is reported as
+  sampled (the scheduler truncates it at EOS / stop / max_tokens / max_model_len); a new
+  canvas is drawn after it -> DENOISE.
+
+Preemption resets the phase to PREFILL and drops the canvas (`RequestState.extra`); since the
+draws depend only on (seed, canvas start, step), the resumed request redoes the same canvas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from impasto.attention.metadata import forward_context
+from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
+from impasto.engine.diffusion_config import DiffusionConfig
+from impasto.worker.diffusion.sampler import CanvasState, DiffusionSampler, random_canvas
+from impasto.worker.model_runner import ModelRunner
+from impasto.worker.request_state import Phase, RequestState
+
+
+@dataclass
+class DiffusionStats:
+    """Counters since the last `take()`; tokens per forward = committed / denoising steps."""
+
+    denoising_steps: int = 0  # request-level decoder passes
+    canvas_positions: int = 0  # canvas positions evaluated by those passes
+    canvases_committed: int = 0
+    committed_tokens: int = 0  # before stop/length truncation by the scheduler
+
+    def take(self) -> DiffusionStats:
+        out = DiffusionStats(**vars(self))
+        for name in vars(out):
+            setattr(self, name, 0)
+        return out
+
+
+class DiffusionModelRunner(ModelRunner):
+    def __init__(self, model, *, diffusion_config: DiffusionConfig, seed: int = 0, **kwargs):
+        super().__init__(model, seed=seed, **kwargs)
+        self.config = diffusion_config
+        self.canvas_length = diffusion_config.canvas_length
+        self.seed = seed
+        self.vocab = int(model.vocab_size)
+        self.canvas_sampler = DiffusionSampler(diffusion_config, self.vocab)
+        self.stats = DiffusionStats()
+
+    def _seed(self, state: RequestState) -> int:
+        s = state.sampling_params.seed
+        return self.seed if s is None else int(s)
+
+    def _new_canvas(self, state: RequestState) -> CanvasState:
+        start = state.num_tokens
+        tokens = random_canvas(self.vocab, self.canvas_length, self._seed(state), start, -1)
+        canvas = CanvasState(start, tokens)
+        state.extra["canvas"] = canvas
+        state.phase = Phase.DENOISE
+        return canvas
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [], [])
+        batch = self.batch
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(rows))
+        states = [batch.states[r] for r in rows]
+        phases = [self._check_phase(s, so, int(n)) for s, n in zip(states, num_sched, strict=True)]
+        for b, (state, phase) in enumerate(zip(states, phases, strict=True)):
+            if phase is not Phase.PREFILL:  # the canvas follows the committed tokens
+                c: CanvasState = state.extra["canvas"]
+                toks = c.argmax if phase is Phase.COMMIT else c.tokens
+                n, row = int(num_sched[b]), int(rows[b])
+                if c.start != batch.num_tokens[row]:  # invariant: it follows the committed tokens
+                    raise RuntimeError(
+                        f"request {state.req_id}: canvas at {c.start}, not at the end"
+                    )
+                batch.token_ids[row, c.start : c.start + n] = toks[:n].cpu().numpy()
+        meta, input_ids = self._prepare_inputs(rows, num_sched)
+
+        # Decoder-mode rows: bidirectional, read-only, self-conditioned.
+        cu = np.concatenate(([0], np.cumsum(num_sched)))
+        denoise = [b for b, p in enumerate(phases) if p is Phase.DENOISE]
+        sc_rows = sc_soft = None
+        if denoise:
+            idx = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in denoise])
+            sc_rows = torch.from_numpy(idx).to(self.device)
+            meta.slot_mapping = meta.slot_mapping.index_fill(0, sc_rows, -1)
+            for b in denoise:
+                meta.causal[b] = False
+            sc_soft = self._soft_inputs([states[b] for b in denoise], num_sched[denoise])
+        with forward_context(meta, self.kv_caches):
+            hidden = self.model(input_ids, meta.positions, sc_rows, sc_soft)
+
+        sampled: list[list[int]] = []
+        spec: list[list[int]] = []
+        for b, (state, phase) in enumerate(zip(states, phases, strict=True)):
+            n, row = int(num_sched[b]), int(rows[b])
+            if phase is Phase.PREFILL:
+                sampled.append([])
+                done = batch.num_computed[row] + n >= batch.num_tokens[row]
+                spec.append(self._new_canvas(state).tokens.tolist() if done else [])
+            elif phase is Phase.DENOISE:
+                sampled.append([])
+                spec.append(self._denoise(state, hidden[int(cu[b]) : int(cu[b + 1])]))
+            else:  # COMMIT: its KV was written by this causal pass
+                toks = state.extra["canvas"].argmax[:n].tolist()
+                batch.append_tokens(row, toks)
+                self.stats.canvases_committed += 1
+                self.stats.committed_tokens += n
+                sampled.append(toks)
+                spec.append(self._new_canvas(state).tokens.tolist())
+        return ModelRunnerOutput(req_ids, sampled, spec)
+
+    def _check_phase(self, state: RequestState, so: SchedulerOutput, n: int) -> Phase:
+        """The request's phase this step, cross-checked against what was scheduled."""
+        scheduled = so.scheduled_spec_decode_tokens.get(state.req_id)
+        if not scheduled:
+            if state.phase is not Phase.PREFILL:
+                # A canvas is all-or-nothing: a running canvas is never scheduled partially.
+                raise RuntimeError(f"request {state.req_id}: {n} tokens without its canvas")
+            return Phase.PREFILL
+        canvas: CanvasState | None = state.extra.get("canvas")
+        if state.phase is Phase.PREFILL or canvas is None:
+            raise RuntimeError(f"request {state.req_id}: canvas scheduled before its prefill")
+        expected = min(self.canvas_length, self.max_model_len - canvas.start)
+        if not (len(scheduled) == n == expected):
+            raise RuntimeError(
+                f"request {state.req_id}: scheduled {n} tokens / {len(scheduled)} canvas "
+                f"tokens, expected exactly its canvas ({expected})"
+            )
+        return state.phase
+
+    def _soft_inputs(self, states: list[RequestState], lens: np.ndarray) -> torch.Tensor:
+        """[sum n, H] self-conditioning embeddings (zeros on a canvas' first step)."""
+        h = self.model.hidden_size
+        parts = []
+        for state, n in zip(states, lens, strict=True):
+            soft = state.extra["canvas"].soft
+            if soft is None:
+                soft = torch.zeros(int(n), h, dtype=self.kv_caches[0].dtype, device=self.device)
+            parts.append(soft[: int(n)])
+        return torch.cat(parts)
+
+    def _denoise(self, state: RequestState, hidden: torch.Tensor) -> list[int]:
+        canvas: CanvasState = state.extra["canvas"]
+        valid = hidden.shape[0]
+        logits = self.model.compute_logits(hidden)  # [valid, V] float32
+        res = self.canvas_sampler.step(logits, canvas, valid, self._seed(state))
+        self.stats.denoising_steps += 1
+        self.stats.canvas_positions += valid
+        canvas.step += 1
+        canvas.argmax = res.argmax
+        if res.converged:
+            state.phase = Phase.COMMIT
+            canvas.soft = None
+            return res.argmax.tolist()
+        canvas.tokens = res.canvas
+        canvas.soft = self.model.soft_embeddings(res.probs[:valid])
+        return res.canvas.tolist()
