@@ -1,9 +1,10 @@
 """Plain-PyTorch reference attention backend (CPU and any torch device).
 
 Per layer: write the step's k/v into the paged cache, then
-- short-query requests (see `torch_plan`): per chunk of requests, gather their KV blocks into a
-  reused workspace `[n, L, Hkv, D]` and run one SDPA with the queries grouped per KV head
-  (`[n, Hkv, G*Q, D]`, so GQA needs no K/V repeat);
+- short-query requests (see `torch_plan`): per chunk of requests, gather their keys into a
+  reused workspace `[n, Hkv, L, D]`, scores by one matmul with the queries grouped per KV head
+  (`[n, Hkv, G*Q, D]`, so GQA needs no K/V repeat), fp32 softmax, and P @ V by `embedding_bag`
+  over the cache's value rows (no value copy: ~1/3 less memory traffic than gather + SDPA);
 - other requests: one SDPA each over the cached prefix and the new keys.
 
 Invariant: the cache is written *before* it is read, so for requests whose slots are all
@@ -106,50 +107,45 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
-    def _chunk_buffers(self, p: Plan, g: Group, kv_cache: torch.Tensor) -> list[tuple]:
-        """Per chunk: (chunk, K/V gather targets, K/V as [n, Hkv, L, D] views), built once per
-        step; all chunks share one workspace that every layer reuses (stays cache-hot)."""
-        key = (kv_cache.dtype, *kv_cache.shape[2:])
-        if key not in p.workspace:
-            _, _, bs, hkv, d = kv_cache.shape
-            chunks = g.chunks(2 * hkv * d * kv_cache.element_size())  # K+V bytes per token
-            need = max(c.block_ids.numel() for c in chunks)
-            ws = kv_cache.new_empty(2, need, bs * hkv * d)
-            bufs = []
-            for c in chunks:
-                m, n, length = c.block_ids.numel(), c.hi - c.lo, c.nblk * bs
-                # [n*nblk, bs*Hkv*D] -> [n, L, Hkv, D] -> [n, Hkv, L, D] (strided view)
-                k4 = ws[0, :m].view(n, length, hkv, d).transpose(1, 2)
-                v4 = ws[1, :m].view(n, length, hkv, d).transpose(1, 2)
-                bufs.append((c, ws[0, :m], ws[1, :m], k4, v4))
-            p.workspace[key] = bufs
-        return p.workspace[key]
-
     def _group(self, p: Plan, g: Group, q, kv_cache, scale, window, softcap) -> torch.Tensor:
-        _, num_blocks, bs, hkv, d = kv_cache.shape
+        """Short queries: gather keys, scores by matmul, fp32 softmax, then P @ V computed by
+        `embedding_bag` straight from the cache (values are never copied)."""
+        _, _, bs, hkv, d = kv_cache.shape
         hq = q.shape[1]
         groups = hq // hkv
-        blocks = kv_cache.view(2, num_blocks, bs * hkv * d)
-        bufs = self._chunk_buffers(p, g, kv_cache)
+        k_src, v_src = kv_cache[0].view(-1, d), kv_cache[1].view(-1, d)  # [slots*Hkv, D]
+        chunks = g.chunks(hkv * d * kv_cache.element_size())
+        ws_key = (kv_cache.dtype, d)
+        need = max(c.block_ids.numel() for c in chunks) * bs * hkv
+        ws = p.workspace.get(ws_key)
+        if ws is None or ws.shape[0] < need:  # reused by every layer: stays cache-hot
+            ws = p.workspace[ws_key] = kv_cache.new_empty(need, d)
         if g.qmax == 1 and g.q_rows is None:  # plain decode batch: [Bg, Hq, D] is [Bg, Hkv, G, D]
             qg = q.view(g.n, hkv, groups, d)
-        else:  # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, G*Q, D]: one SDPA row block per KV head
+        else:  # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, G*Q, D]: one row block per KV head
             qg = q if g.q_rows is None else q.index_select(0, g.q_rows)  # [Bg*Q, Hq, D]
             qg = qg.view(g.n, g.qmax, hkv, groups, d).permute(0, 2, 3, 1, 4)
             qg = qg.reshape(g.n, hkv, groups * g.qmax, d)
         outs = []
-        for c, k_out, v_out, k4, v4 in bufs:
-            torch.index_select(blocks[0], 0, c.block_ids, out=k_out)
-            torch.index_select(blocks[1], 0, c.block_ids, out=v_out)
-            if k4.dtype != q.dtype:
-                k4, v4 = k4.to(q.dtype), v4.to(q.dtype)
-            qc = qg if len(bufs) == 1 else qg[c.lo : c.hi]
-            outs.append(sdpa(qc, k4, v4, g.mask(c, window, q.dtype, groups), scale, softcap))
+        for c in chunks:
+            n, length = c.hi - c.lo, c.nblk * bs
+            k_rows, v_bags = g.rows(c, hkv, groups)
+            k = torch.index_select(k_src, 0, k_rows, out=ws[: k_rows.numel()])
+            k = k.view(n, hkv, length, d).to(q.dtype)  # [n, Hkv, L, D]
+            qc = qg if len(chunks) == 1 else qg[c.lo : c.hi]
+            s = torch.matmul(qc, k.transpose(-1, -2)).float().mul_(scale)  # [n, Hkv, G*Q, L]
+            if softcap is not None:
+                s = torch.tanh(s.div_(softcap)).mul_(softcap)
+            s += g.mask(c, window, torch.float32, groups)
+            probs = torch.softmax(s, dim=-1).to(kv_cache.dtype).view(-1, length)
+            o = F.embedding_bag(v_bags, v_src, mode="sum", per_sample_weights=probs)
+            outs.append(o.view(n, hkv, groups * g.qmax, d))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [Bg, Hkv, G*Q, D]
+        o = o.to(q.dtype)
         if g.qmax == 1:
-            return o.reshape(g.n, hq * d)
+            return o.view(g.n, hq * d)
         # [Bg, Hkv, G, Q, D] -> [Bg*Q, Hq*D]
-        o = o.reshape(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
+        o = o.view(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
         return o.reshape(g.n * g.qmax, hq * d)
 
     def _long(self, r: Long, q, k, v, kv_cache, scale, window, softcap) -> torch.Tensor:

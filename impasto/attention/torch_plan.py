@@ -18,8 +18,8 @@ import torch
 from impasto.attention.metadata import AttentionMetadata
 
 SHORT_QUERY_MAX = 16
-# Gathered K+V bytes per short-query chunk: small enough to stay in the CPU's L2/L3 between
-# the gather and the attention (measured: B=64 decode ~1.6x faster than one big batch).
+# Gathered key bytes per short-query chunk: small enough to stay in the CPU's L2/L3 between
+# the gather and the score matmul.
 CHUNK_BYTES = 4 << 20
 
 
@@ -52,6 +52,7 @@ class Chunk:
     nblk: int
     block_ids: torch.Tensor  # [(hi - lo) * nblk] physical blocks; 0 past a request's end
     masks: dict = field(default_factory=dict)
+    rows: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Group:
     _chunks: dict = field(default_factory=dict)
 
     def chunks(self, token_bytes: int) -> list[Chunk]:
-        """Greedy split so that each chunk's gathered K+V fits CHUNK_BYTES (>= 1 request)."""
+        """Greedy split so that each chunk's gathered keys fit CHUNK_BYTES (>= 1 request)."""
         if token_bytes not in self._chunks:
             out, lo, per_req = [], 0, self.block_size * token_bytes
             while lo < self.n:
@@ -85,6 +86,22 @@ class Group:
                 lo = hi
             self._chunks[token_bytes] = out
         return self._chunks[token_bytes]
+
+    def rows(self, c: Chunk, hkv: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows (`slot * Hkv + kv_head` of the cache viewed as [slots * Hkv, D]) of the
+        chunk's keys: K rows [n*Hkv*L] in gather order, and V bags [n*Hkv*G*Q, L]: one bag of
+        L rows per query row, ordered like the scores (request, KV head, head-in-group, token)."""
+        key = (hkv, groups)
+        if key not in c.rows:
+            bs, n, length = self.block_size, c.hi - c.lo, c.nblk * self.block_size
+            dev = c.block_ids.device
+            slots = (c.block_ids.view(n, c.nblk, 1) * bs + torch.arange(bs, device=dev)).view(
+                n, length
+            )
+            k_rows = slots[:, None, :] * hkv + torch.arange(hkv, device=dev)[None, :, None]
+            bags = k_rows[:, :, None, :].expand(n, hkv, groups * self.qmax, length)
+            c.rows[key] = (k_rows.reshape(-1), bags.reshape(-1, length))
+        return c.rows[key]
 
     def mask(self, c: Chunk, window: int | None, dtype: torch.dtype, groups: int) -> torch.Tensor:
         key = (window, dtype, groups)
