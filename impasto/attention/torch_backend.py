@@ -1,10 +1,10 @@
 """Plain-PyTorch reference attention backend (CPU and any torch device).
 
 Per layer: write the step's k/v into the paged cache, then
-- short-query requests (see `torch_plan`): per chunk of requests, gather their keys into a
-  reused workspace `[n, Hkv, L, D]`, scores by one matmul with the queries grouped per KV head
-  (`[n, Hkv, G*Q, D]`, so GQA needs no K/V repeat), fp32 softmax, and P @ V by `embedding_bag`
-  over the cache's value rows (no value copy: ~1/3 less memory traffic than gather + SDPA);
+- short-query requests (see `torch_plan`), per chunk of requests, with the queries grouped per
+  KV head (`[n, Hkv, G*Q, D]`, so GQA needs no K/V repeat) and a workspace reused by all layers:
+  fp32: gather their K/V blocks, one SDPA; 16-bit: gather keys head-major, scores by matmul,
+  fp32 softmax, P @ V by `embedding_bag` over the cache's value rows (values never copied);
 - other requests: one SDPA each over the cached prefix and the new keys.
 
 Invariant: the cache is written *before* it is read, so for requests whose slots are all
@@ -54,7 +54,11 @@ def sdpa(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, short_path: str = "auto") -> None:
+        """`short_path`: "sdpa", "bag" or "auto" (sdpa for fp32 caches, bag for 16-bit)."""
+        if short_path not in ("auto", "sdpa", "bag"):
+            raise ValueError(f"short_path must be 'auto', 'sdpa' or 'bag', not {short_path!r}")
+        self.short_path = short_path
         self._key: tuple[object, object] | None = None
         self._plan: Plan | None = None
 
@@ -91,15 +95,12 @@ class TorchAttentionBackend(AttentionBackend):
             flat[0].index_copy_(0, p.write_slots, kw)
             flat[1].index_copy_(0, p.write_slots, vw)
         g = p.group
-        if g is not None and g.tok_rows is None and not p.longs:
+        if g is not None and g.tok_rows is None:  # the whole batch is one group, rows in order
             return self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
         out = q.new_empty(q.shape[0], q.shape[1] * d)
         if g is not None:
             o = self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
-            if g.tok_rows is None:
-                out.copy_(o)
-            else:
-                out.index_copy_(0, g.tok_rows, o.index_select(0, g.pad_rows))
+            out.index_copy_(0, g.tok_rows, o.index_select(0, g.pad_rows))
         for r in p.longs:
             rows = slice(r.start, r.start + r.qlen)
             out[rows] = self._long(
@@ -108,44 +109,59 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _group(self, p: Plan, g: Group, q, kv_cache, scale, window, softcap) -> torch.Tensor:
-        """Short queries: gather keys, scores by matmul, fp32 softmax, then P @ V computed by
-        `embedding_bag` straight from the cache (values are never copied)."""
         _, _, bs, hkv, d = kv_cache.shape
         hq = q.shape[1]
         groups = hq // hkv
-        k_src, v_src = kv_cache[0].view(-1, d), kv_cache[1].view(-1, d)  # [slots*Hkv, D]
         chunks = g.chunks(hkv * d * kv_cache.element_size())
-        ws_key = (kv_cache.dtype, d)
-        need = max(c.block_ids.numel() for c in chunks) * bs * hkv
-        ws = p.workspace.get(ws_key)
-        if ws is None or ws.shape[0] < need:  # reused by every layer: stays cache-hot
-            ws = p.workspace[ws_key] = kv_cache.new_empty(need, d)
+        # Flat K/V workspace reused by every layer (stays cache-hot); layers may differ in shape.
+        need = max(c.block_ids.numel() for c in chunks) * bs * hkv * d
+        ws = p.workspace.get(kv_cache.dtype)
+        if ws is None or ws.shape[1] < need:
+            ws = p.workspace[kv_cache.dtype] = kv_cache.new_empty(2, need)
         if g.qmax == 1 and g.q_rows is None:  # plain decode batch: [Bg, Hq, D] is [Bg, Hkv, G, D]
             qg = q.view(g.n, hkv, groups, d)
         else:  # [Bg, Q, Hkv, G, D] -> [Bg, Hkv, G*Q, D]: one row block per KV head
             qg = q if g.q_rows is None else q.index_select(0, g.q_rows)  # [Bg*Q, Hq, D]
             qg = qg.view(g.n, g.qmax, hkv, groups, d).permute(0, 2, 3, 1, 4)
             qg = qg.reshape(g.n, hkv, groups * g.qmax, d)
+        # fp32 caches: gather + SDPA is faster; 16-bit caches: the embedding_bag path (measured).
+        bag = self.short_path == "bag" or (
+            self.short_path == "auto" and kv_cache.dtype != torch.float32
+        )
+        blocks = kv_cache.view(2, -1, bs * hkv * d)  # [2, num_blocks, bs*Hkv*D]
+        k_src, v_src = kv_cache[0].view(-1, d), kv_cache[1].view(-1, d)  # [slots*Hkv, D]
         outs = []
         for c in chunks:
-            n, length = c.hi - c.lo, c.nblk * bs
-            k_rows, v_bags = g.rows(c, hkv, groups)
-            k = torch.index_select(k_src, 0, k_rows, out=ws[: k_rows.numel()])
-            k = k.view(n, hkv, length, d).to(q.dtype)  # [n, Hkv, L, D]
+            n, length, size = c.hi - c.lo, c.nblk * bs, c.block_ids.numel() * bs * hkv * d
             qc = qg if len(chunks) == 1 else qg[c.lo : c.hi]
+            if not bag:  # gather whole K and V blocks (bigger copies than rows: faster)
+                k_out = ws[0, :size].view(-1, bs * hkv * d)
+                v_out = ws[1, :size].view(-1, bs * hkv * d)
+                torch.index_select(blocks[0], 0, c.block_ids, out=k_out)
+                torch.index_select(blocks[1], 0, c.block_ids, out=v_out)
+                # [n*nblk, bs*Hkv*D] -> [n, L, Hkv, D] -> [n, Hkv, L, D] (strided views)
+                k = k_out.view(n, length, hkv, d).transpose(1, 2).to(q.dtype)
+                v = v_out.view(n, length, hkv, d).transpose(1, 2).to(q.dtype)
+                mask = g.mask(c, window, q.dtype, groups)
+                outs.append(sdpa(qc, k, v, mask, scale, softcap))
+                continue
+            # Keys gathered head-major, then P @ V by embedding_bag straight over the cache's
+            # value rows: values are never copied.
+            k_rows, v_bags = g.rows(c, hkv, groups)
+            k = torch.index_select(k_src, 0, k_rows, out=ws[0, :size].view(-1, d))
+            k = k.view(n, hkv, length, d).to(q.dtype)  # [n, Hkv, L, D]
             s = torch.matmul(qc, k.transpose(-1, -2)).float().mul_(scale)  # [n, Hkv, G*Q, L]
             if softcap is not None:
                 s = torch.tanh(s.div_(softcap)).mul_(softcap)
             s += g.mask(c, window, torch.float32, groups)
             probs = torch.softmax(s, dim=-1).to(kv_cache.dtype).view(-1, length)
             o = F.embedding_bag(v_bags, v_src, mode="sum", per_sample_weights=probs)
-            outs.append(o.view(n, hkv, groups * g.qmax, d))
+            outs.append(o.view(n, hkv, groups * g.qmax, d).to(q.dtype))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)  # [Bg, Hkv, G*Q, D]
-        o = o.to(q.dtype)
         if g.qmax == 1:
-            return o.view(g.n, hq * d)
+            return o.reshape(g.n, hq * d)
         # [Bg, Hkv, G, Q, D] -> [Bg*Q, Hq*D]
-        o = o.view(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
+        o = o.reshape(g.n, hkv, groups, g.qmax, d).permute(0, 3, 1, 2, 4)
         return o.reshape(g.n * g.qmax, hq * d)
 
     def _long(self, r: Long, q, k, v, kv_cache, scale, window, softcap) -> torch.Tensor:

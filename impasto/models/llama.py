@@ -64,16 +64,16 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, d, layer_idx, sliding_window=opts.sliding_window
         )
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, rotary: RotaryEmbedding):
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads
         v = qkv[:, self.q_size + self.kv_size :]
-        if self.qk_norm:
-            q = rotary(self.q_norm(qkv[:, : self.q_size].view(t, -1, d)), cos_sin)
-            k = rotary(
-                self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d)),
-                cos_sin,
-            )
+        if self.qk_norm:  # per-head RMSNorm before rotary
+            q = self.q_norm(qkv[:, : self.q_size].view(t, -1, d))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
+            q, k = rotary(q, cos_sin), rotary(k, cos_sin)
         else:  # q and k heads are adjacent: one rotary call over [T, Hq + Hkv, D]
             qk = rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos_sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -93,7 +93,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos_sin, rotary):  # residual stream is carried, not added
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the add happens in the next norm."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

@@ -80,12 +80,13 @@ def setup(cases, hq, hkv, d, dtype, seed=0, num_blocks=96):
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (4, 1)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_mixed_batch_matches_dense(hq, hkv, window, softcap):
+@pytest.mark.parametrize("short_path", ["sdpa", "bag"])
+def test_mixed_batch_matches_dense(hq, hkv, window, softcap, short_path):
     d = 16
     meta, cache, q, k, v, keys, values = setup(MIXED, hq, hkv, d, torch.float32)
     before = cache.clone()
     scale = 1 / math.sqrt(d)
-    out = TorchAttentionBackend().forward(
+    out = TorchAttentionBackend(short_path).forward(
         q, k, v, cache, meta, scale=scale, sliding_window=window, logit_softcap=softcap
     )
     ref = dense_reference(q, keys, values, MIXED, scale, window, softcap)
@@ -107,20 +108,29 @@ def test_mixed_batch_matches_dense(hq, hkv, window, softcap):
         [(0, 25, True, True)],  # a lone prefill
     ],
 )
-def test_batch_shapes(cases):
+@pytest.mark.parametrize("short_path", ["sdpa", "bag"])
+def test_batch_shapes(cases, short_path):
     meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=1)
-    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.3)
+    out = TorchAttentionBackend(short_path).forward(q, k, v, cache, meta, scale=0.3)
     torch.testing.assert_close(
         out.double(), dense_reference(q, keys, values, cases, 0.3, None, None), atol=2e-5, rtol=0
     )
 
 
-def test_bf16_close_to_reference():
+@pytest.mark.parametrize("short_path", ["sdpa", "bag"])
+def test_bf16_close_to_reference(short_path):
     meta, cache, q, k, v, keys, values = setup(MIXED, 6, 2, 16, torch.bfloat16, seed=2)
-    out = get_attention_backend().forward(q, k, v, cache, meta, scale=0.25, sliding_window=9)
+    backend = TorchAttentionBackend(short_path)
+    out = backend.forward(q, k, v, cache, meta, scale=0.25, sliding_window=9)
     assert out.dtype == torch.bfloat16
     ref = dense_reference(q, keys, values, MIXED, 0.25, 9, None)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_backend_registry():
+    assert get_attention_backend() is get_attention_backend("torch")
+    with pytest.raises(ValueError, match="torch"):
+        get_attention_backend("flash")
 
 
 def test_plan_is_shared_across_layers_of_one_forward():
@@ -141,15 +151,31 @@ def test_plan_is_shared_across_layers_of_one_forward():
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 10000])
-def test_short_queries_split_in_chunks(monkeypatch, chunk_bytes):
+@pytest.mark.parametrize("short_path", ["sdpa", "bag"])
+def test_short_queries_split_in_chunks(monkeypatch, chunk_bytes, short_path):
     """Tiny chunk budgets: one request per chunk, or a few requests padded per chunk."""
     monkeypatch.setattr(torch_plan, "CHUNK_BYTES", chunk_bytes)
     cases = [(c, q, c % 2 == 0, True) for c, q in ((3, 1), (30, 2), (0, 1), (12, 5), (50, 1))]
     meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=4)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(short_path)
     with forward_context(meta, [cache]):
         out = backend.forward(q, k, v, cache, meta, scale=0.3, sliding_window=20)
         chunks = backend.plan(meta).group.chunks(2 * 8 * 4)  # Hkv * D * fp32 bytes
     assert len(chunks) == (5 if chunk_bytes == 1 else 2)
     ref = dense_reference(q, keys, values, cases, 0.3, 20, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("short_path", ["sdpa", "bag"])
+def test_layers_with_different_kv_shapes_share_a_step(short_path):
+    """Models like Gemma mix layer shapes (KV heads, head dim) under one metadata."""
+    backend = TorchAttentionBackend(short_path)
+    shapes = [(6, 2, 8), (4, 1, 32), (6, 2, 8)]
+    # Same seed: same block tables (one metadata); the random data differ with the shapes.
+    setups = [setup(MIXED, hq, hkv, d, torch.float32, seed=5) for hq, hkv, d in shapes]
+    meta = setups[0][0]
+    with forward_context(meta, [s[1] for s in setups]):
+        for _, cache, q, k, v, keys, values in setups:
+            out = backend.forward(q, k, v, cache, meta, scale=0.3)
+            ref = dense_reference(q, keys, values, MIXED, 0.3, None, None)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from impasto.attention.backend import get_attention_backend
 from impasto.loader.hf import load_hf_model
 from tests.models.checkpoints import build_checkpoint, hf_greedy, hf_model
 from tests.models.harness import PagedRunner, run_greedy
@@ -79,3 +80,15 @@ def test_bf16_close_to_fp32(tmp_path):
         logits[dtype] = lg
     err = (logits[torch.bfloat16] - logits[torch.float32]).abs().max()
     assert err < 0.1 * logits[torch.float32].abs().max()
+
+
+@pytest.mark.parametrize("variant", ["llama-mqa-untied-llama3rope", "qwen2-window-layers"])
+def test_greedy_with_embedding_bag_decode_path(variant, tmp_path, monkeypatch):
+    """The 16-bit decode path (P @ V by embedding_bag), forced on in fp32: still token-exact."""
+    monkeypatch.setattr(get_attention_backend(), "short_path", "bag")
+    kind, overrides = VARIANTS[variant]
+    path = build_checkpoint(tmp_path, kind, **overrides)
+    model, _ = load_hf_model(path)
+    outs, _ = run_greedy(PagedRunner(model), PROMPTS, MAX_NEW, chunk=5)
+    ref = hf_model(path)
+    assert outs == [hf_greedy(ref, p, MAX_NEW) for p in PROMPTS]
