@@ -12,6 +12,7 @@ from torch import nn
 
 from impasto.attention.metadata import AttentionMetadata, forward_context
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
+from impasto.worker.attn_inputs import build_attention_metadata
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.request_state import Phase, RequestState
 from impasto.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
@@ -187,36 +188,14 @@ class ModelRunner:
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray
     ) -> tuple[AttentionMetadata, torch.Tensor]:
-        batch, bs = self.batch, self.block_size
+        batch = self.batch
         start = batch.num_computed[rows]
-        total = int(num_sched.sum())
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=cu[1:])
-        req_idx = np.repeat(np.arange(len(rows)), num_sched)  # [T] batch index of each token
-        positions = start[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [T]
-        token_rows = rows[req_idx]
-        # -1 placeholder drafts (uniform padding) are clamped before the embedding lookup.
-        input_ids = np.maximum(batch.token_ids[token_rows, positions], 0)
-        slots = batch.block_table[token_rows, positions // bs] * bs + positions % bs
-        seq_lens = start + num_sched
-        max_blocks = int(-(-seq_lens.max() // bs))
-        dev = self.device
-        meta = AttentionMetadata(
-            num_reqs=len(rows),
-            num_tokens=total,
-            block_size=bs,
-            query_lens=num_sched.tolist(),
-            seq_lens=seq_lens.tolist(),
-            causal=[True] * len(rows),
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens_t=torch.from_numpy(seq_lens).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_table=torch.from_numpy(
-                np.ascontiguousarray(batch.block_table[rows, :max_blocks])
-            ).to(dev),
+        meta, req_idx, positions = build_attention_metadata(
+            batch.block_table, rows, start, num_sched, self.block_size, self.device
         )
-        return meta, torch.from_numpy(input_ids).to(dev)
+        # -1 placeholder drafts (uniform padding) are clamped before the embedding lookup.
+        input_ids = np.maximum(batch.token_ids[rows[req_idx], positions], 0)
+        return meta, torch.from_numpy(input_ids).to(self.device)
 
     def _sampling_metadata(
         self,

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from impasto.attention.metadata import AttentionMetadata, forward_context
+from impasto.attention.metadata import forward_context
 from impasto.engine.spec_config import SpeculativeConfig
 from impasto.sampling_params import SamplingParams
 from impasto.worker import sampling_ops as ops
+from impasto.worker.attn_inputs import build_attention_metadata
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.sampler import Sampler, SamplingMetadata
 from impasto.worker.spec_decode.proposer import Proposer, StepResult
@@ -120,30 +121,10 @@ class DraftModelProposer(Proposer):
         qlens: np.ndarray,  # [B] tokens fed
         ids: np.ndarray,  # [T] token ids, concatenated per request
     ) -> torch.Tensor:  # [T, H]
-        bs, total = self.block_size, int(qlens.sum())
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=cu[1:])
-        req = np.repeat(np.arange(len(rows)), qlens)  # [T] request index of each token
-        positions = start[req] + (np.arange(total) - cu[:-1][req])  # [T]
-        slots = batch.block_table[rows[req], positions // bs] * bs + positions % bs
-        seq_lens = start + qlens
-        max_blocks = int(-(-seq_lens.max() // bs))
-        dev = self.device
-        meta = AttentionMetadata(
-            num_reqs=len(rows),
-            num_tokens=total,
-            block_size=bs,
-            query_lens=qlens.tolist(),
-            seq_lens=seq_lens.tolist(),
-            causal=[True] * len(rows),
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens_t=torch.from_numpy(seq_lens).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_table=torch.from_numpy(
-                np.ascontiguousarray(batch.block_table[rows, :max_blocks])
-            ).to(dev),
+        meta, _, _ = build_attention_metadata(
+            batch.block_table, rows, start, qlens, self.block_size, self.device
         )
+        dev = self.device
         with forward_context(meta, self.kv_caches):
             return self.model(torch.from_numpy(np.maximum(ids, 0)).to(dev), meta.positions)
 
