@@ -153,23 +153,23 @@ def build_app(
             raise APIError(f"Token id {bad[0]} is out of vocabulary.", 400, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
+    async def generate(handler, req, raw: Request) -> Response:
+        """Run a generation endpoint: fail fast when the engine is dead, and give every
+        failure an OpenAI error body."""
         if not client.is_alive:
             raise APIError("The engine process is dead; the server cannot generate.", 500)
         try:
-            return await create_completion(state, req, raw)
-        except Exception as e:  # noqa: BLE001 - every failure gets an OpenAI error body
+            return await handler(state, req, raw)
+        except Exception as e:  # noqa: BLE001
             raise as_api_error(e) from e
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await generate(create_completion, req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        if not client.is_alive:
-            raise APIError("The engine process is dead; the server cannot generate.", 500)
-        try:
-            return await create_chat_completion(state, req, raw)
-        except Exception as e:  # noqa: BLE001 - every failure gets an OpenAI error body
-            raise as_api_error(e) from e
+        return await generate(create_chat_completion, req, raw)
 
     @app.get("/")
     async def root() -> JSONResponse:
