@@ -22,6 +22,7 @@ from impasto.loader.tokenizer import (
     is_gguf_file,
     load_tokenizer,
 )
+from impasto.models.layers.packed import prepack_linear_weights
 from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
@@ -70,6 +71,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     config = load_config(path)
     dtype = resolve_dtype(args.dtype, config, gguf)
     model = load_model(path, config, dtype).to(device)
+    prepack_linear_weights(model)  # CPU bf16 only; a no-op elsewhere
     dcfg, limits = None, config  # limits: the config holding ids, vocab and max positions
     if getattr(model, "is_diffusion", False):
         dcfg = DiffusionConfig.resolve(args.diffusion_config, config, path)
@@ -189,7 +191,9 @@ def _load_draft(
             f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
             f"max_model_len ({max_len}): decrease max_model_len."
         )
-    return load_model(draft_path, draft_config, dtype).to(device)
+    draft = load_model(draft_path, draft_config, dtype).to(device)
+    prepack_linear_weights(draft)
+    return draft
 
 
 def _build_proposer(spec, draft, sched: SchedulerConfig, dtype, device, seed: int):

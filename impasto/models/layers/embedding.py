@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impasto.models.layers.packed import plain_linear
 from impasto.models.layers.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
 
@@ -46,9 +47,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None
     ) -> None:
         super().__init__(num_embeddings, embedding_dim)
+        self.linear = plain_linear  # swapped for the packed kernel by `prepack_linear_weights`
         if tie_to is not None:
             self.weight = tie_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(self.linear(hidden, self.weight))
         return logits[:, : self.num_embeddings].float()

@@ -9,9 +9,9 @@ Parameters are created with `torch.empty` in torch's default dtype and device.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from impasto.models.layers.packed import plain_linear
 from impasto.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -35,6 +35,7 @@ class LinearBase(nn.Module):
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
+        self.linear = plain_linear  # swapped for the packed kernel by `prepack_linear_weights`
         self.weight = _param(out_local, in_local)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = _param(out_local) if bias else None
@@ -49,7 +50,7 @@ class LinearBase(nn.Module):
         _copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -117,6 +118,6 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return self.linear(x, self.weight, self.bias)
+        y = all_reduce(self.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
