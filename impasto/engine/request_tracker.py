@@ -100,32 +100,53 @@ class RequestTracker:
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = [self._logprob_dict(d) for d in out.prompt_logprobs]
-        c.token_ids.extend(out.new_token_ids)
+        new_ids, stop_str = list(out.new_token_ids), None
+        if c.detok is not None and c.finish_reason is None:
+            kept, stop_str = self._detokenize(c.detok, out)
+            new_ids = new_ids[:kept]
+        c.token_ids.extend(new_ids)
         if c.logprobs is not None and out.new_logprobs:
-            for tok, entry in zip(out.new_token_ids, out.new_logprobs, strict=False):
+            for tok, entry in zip(new_ids, out.new_logprobs, strict=False):
                 d = self._logprob_dict(entry)
                 c.logprobs.append(d)
                 c.cumulative_logprob = (c.cumulative_logprob or 0.0) + d[tok].logprob
         stop_hit = False
-        if c.detok is not None and c.finish_reason is None:
-            token_stop = (
-                out.finish_reason == "stop"
-                and out.stop_reason is None
-                or isinstance(out.stop_reason, int)
-            )
-            stop_str = c.detok.update(
-                out.new_token_ids,
-                stop_terminated=out.finished and token_stop,
-                finished=out.finished,
-            )
-            if stop_str is not None and not out.finished:
-                c.finish_reason, c.stop_reason = "stop", stop_str
-                stop_hit = True
-            elif stop_str is not None:
-                c.finish_reason, c.stop_reason = "stop", stop_str
+        if stop_str is not None:
+            c.finish_reason, c.stop_reason = "stop", stop_str
+            stop_hit = not out.finished
         if out.finished and c.finish_reason is None:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         return stop_hit
+
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, out: EngineCoreOutput) -> tuple[int, str | None]:
+        """Feed the step's tokens to the detokenizer; return how many to keep and the stop string.
+
+        A step may bring several tokens (accepted drafts, a committed diffusion canvas). When a
+        stop string completes inside them, the tokens after the one that completed it are
+        dropped, so token ids, logprobs and usage match a one-token-per-step run.
+        """
+        ids = out.new_token_ids
+        token_stop = (
+            out.finish_reason == "stop"
+            and out.stop_reason is None
+            or isinstance(out.stop_reason, int)
+        )
+        if not detok.stop or len(ids) <= 1:
+            stop = detok.update(
+                ids, stop_terminated=out.finished and token_stop, finished=out.finished
+            )
+            return len(ids), stop
+        for i, tok in enumerate(ids):
+            last = i == len(ids) - 1
+            stop = detok.update(
+                [tok],
+                stop_terminated=last and out.finished and token_stop,
+                finished=last and out.finished,
+            )
+            if stop is not None:
+                return i + 1, stop
+        return len(ids), None
 
     def _logprob_dict(
         self, entry: dict[int, tuple[float, int]] | None

@@ -45,3 +45,26 @@ def test_default_model_greedy_identical(gguf):
     assert got == expected
     drafted = m["impasto:spec_decode_num_draft_tokens"]
     assert drafted > 0 and m["impasto:spec_decode_num_accepted_tokens"] == drafted
+
+
+def test_stop_string_inside_accepted_drafts_trims_tokens(gguf):
+    """A stop string completed by an accepted draft ends the output at that token: token ids,
+    logprobs and text equal those of a run without speculation."""
+    (ref,) = LLM(gguf, **ARGS).generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+    text = ref.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], logprobs=0
+    )
+    ngram = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4)
+    outs = []
+    for spec in (None, ngram):
+        llm = LLM(gguf, **ARGS, speculative_config=spec)
+        (out,) = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        outs.append(out.outputs[0])
+    plain, spec_out = outs
+    assert plain.finish_reason == spec_out.finish_reason == "stop"
+    assert spec_out.text == plain.text == text[: text.index(stop)]
+    assert list(spec_out.token_ids) == list(plain.token_ids)
+    assert len(spec_out.logprobs) == len(spec_out.token_ids)
+    assert len(plain.token_ids) < 20  # the stop really cut the output short
