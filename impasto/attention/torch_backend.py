@@ -94,11 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
                 kw, vw = kw.to(kv_cache.dtype), vw.to(kv_cache.dtype)
             flat[0].index_copy_(0, p.write_slots, kw)
             flat[1].index_copy_(0, p.write_slots, vw)
-        g = p.group
-        if g is not None and g.tok_rows is None:  # the whole batch is one group, rows in order
-            return self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
+        if len(p.groups) == 1 and p.groups[0].tok_rows is None:  # one group, rows in order
+            return self._group(p, p.groups[0], q, kv_cache, scale, sliding_window, logit_softcap)
         out = q.new_empty(q.shape[0], q.shape[1] * d)
-        if g is not None:
+        for g in p.groups:
             o = self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
             out.index_copy_(0, g.tok_rows, o.index_select(0, g.pad_rows))
         for r in p.longs:

@@ -105,6 +105,8 @@ def test_mixed_batch_matches_dense(hq, hkv, window, softcap, short_path):
         [(c, 1, True, True) for c in (0, 3, 17, 40, 8)],  # pure decode: identity fast path
         [(c, 3, True, True) for c in (2, 9, 30)],  # uniform spec-decode batch
         [(c, q, True, True) for c, q in ((5, 1), (30, 4), (0, 2))],  # ragged short queries
+        # decodes around one verification: split into a decode group and a verify group
+        [(c, 5 if c == 12 else 1, True, True) for c in (3, 40, 12, 0, 7, 21, 9, 2, 30)],
         [(0, 25, True, True)],  # a lone prefill
     ],
 )
@@ -160,8 +162,9 @@ def test_short_queries_split_in_chunks(monkeypatch, chunk_bytes, short_path):
     backend = TorchAttentionBackend(short_path)
     with forward_context(meta, [cache]):
         out = backend.forward(q, k, v, cache, meta, scale=0.3, sliding_window=20)
-        chunks = backend.plan(meta).group.chunks(2 * 8 * 4)  # Hkv * D * fp32 bytes
-    assert len(chunks) == (5 if chunk_bytes == 1 else 2)
+        groups = backend.plan(meta).groups
+        chunks = [c for g in groups for c in g.chunks(2 * 8 * 4)]  # Hkv * D * fp32 bytes
+    assert len(chunks) == 5 if chunk_bytes == 1 else len(groups) <= len(chunks) < 5
     ref = dense_reference(q, keys, values, cases, 0.3, 20, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
 
@@ -179,3 +182,17 @@ def test_layers_with_different_kv_shapes_share_a_step(short_path):
             out = backend.forward(q, k, v, cache, meta, scale=0.3)
             ref = dense_reference(q, keys, values, MIXED, 0.3, None, None)
             torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+
+
+def test_decodes_split_from_long_verifications():
+    """Padding many decodes to one long verification would multiply their work: two groups."""
+    backend = TorchAttentionBackend()
+    many = [(c, 5 if c == 12 else 1, True, True) for c in (3, 40, 12, 0, 7, 21, 9, 2, 30)]
+    meta = setup(many, 6, 2, 8, torch.float32)[0]
+    groups = backend.plan(meta).groups
+    assert [g.qmax for g in groups] == [1, 5] and [g.n for g in groups] == [8, 1]
+    # Padding is cheaper than a second pass for a few requests.
+    two = [(c, 2 if c == 12 else 1, True, True) for c in (3, 40, 12, 0)]
+    for few in ([(5, 1, True, True), (30, 4, True, True), (0, 3, True, True)], two):
+        meta = setup(few, 6, 2, 8, torch.float32)[0]
+        assert len(backend.plan(meta).groups) == 1

@@ -7,9 +7,17 @@ next token yet.
 
 Back-off: per request, the policy keeps a decayed estimate of the per-draft acceptance rate
 `alpha` (a geometric model: draft i is accepted with probability alpha^i) and proposes the
-largest k with `alpha^k > tau`, where `tau` is the relative cost of one more verified token at
-the current batch size. When even one draft does not pay, it stops drafting and probes with one
+largest k with `alpha^k > tau` (times a safety factor: near break-even a gain is noise, a
+loss is not), where `tau` is the relative cost of one more verified token at the current batch
+size. When even one draft does not pay, it stops drafting and probes with one
 draft after a cool-down that doubles while probes keep failing.
+
+Token cost: a decode step's time is close to linear in its query rows, t = a + b * rows, with a
+(weights streamed once, per-step host work) and b (per-row compute) depending on the hardware,
+the model and the batch. `StepCostModel` fits a and b online, by decayed least squares over the
+decode steps this engine actually ran, so c = b / a is measured rather than assumed: drafting k
+for n requests pays while alpha > tau = c n / (1 + c n). Until the rows have varied enough to
+show a slope, the prior `TOKEN_COST` stands in.
 
 Goodput gate: what a verified token costs depends on the hardware and the batch (a matmul
 kernel may switch at some row count), so the proposer also measures committed tokens per second
@@ -35,11 +43,49 @@ _MAX_COOLDOWN = 64
 # Cost of one more query token relative to a 1-token decode step of one request. Verifying
 # costs little while the forward is bound by reading the weights (small batches on CPU or GPU).
 TOKEN_COST = 0.04
+_COST_DECAY = 0.98  # weight of the past in the step-time fit, per decode step
+_MIN_ROW_SPREAD = 1.0  # variance of rows below which the fit cannot see a slope
+_COST_RANGE = (0.002, 1.0)  # a fitted token cost outside this is noise, clipped
 _EXPLORE = 16  # steps per exploration step of the goodput gate
 _RATE_DECAY = 0.9
 _MAX_GAP_S = 2.0  # a longer gap between steps is idle time, not step time
 _MIN_SAMPLES = 8  # steps of each kind measured before the gate may close
 _MARGIN = 0.9  # close only when drafting is clearly slower (timings on shared CPUs are noisy)
+
+
+@dataclass
+class StepCostModel:
+    """Decayed least-squares fit of decode step time against query rows: t = a + b * rows."""
+
+    w: float = 0.0  # decayed number of observations; the rest are decayed sums
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    fitted: float | None = None  # the last token cost the data could tell
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = _COST_DECAY
+        self.w = d * self.w + 1.0
+        self.sx = d * self.sx + rows
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + rows * rows
+        self.sxy = d * self.sxy + rows * seconds
+        if self.w < _MIN_SAMPLES:
+            return
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var < _MIN_ROW_SPREAD:
+            return  # rows barely varied lately: keep the last estimate
+        b = (self.sxy / self.w - mx * my) / var
+        a = my - b * mx
+        if a > 0:
+            lo, hi = _COST_RANGE
+            self.fitted = min(max(b / a, lo), hi)
+
+    def token_cost(self) -> float:
+        """Cost of one more query row relative to a one-row step (c = b / a)."""
+        return TOKEN_COST if self.fitted is None else self.fitted
 
 
 @dataclass
@@ -49,15 +95,13 @@ class GoodputGate:
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)
     samples: dict[tuple[int, bool], int] = field(default_factory=dict)
     steps: int = 0
-    last: float | None = None
 
-    def observe(self, bucket: int, drafted: bool, committed: int, mixed: bool) -> None:
-        now = time.perf_counter()
-        last, self.last = self.last, now
+    def observe(self, bucket: int, drafted: bool, committed: int, seconds: float | None) -> None:
+        """`seconds`: the step's time, None for steps that say nothing about decoding."""
         self.steps += 1
-        if last is None or now - last > _MAX_GAP_S or mixed or committed == 0:
-            return  # idle gaps and steps with prefill chunks say nothing about decoding
-        rate = committed / (now - last)
+        if seconds is None or committed == 0:
+            return
+        rate = committed / seconds
         key = (bucket, drafted)
         old = self.rates.get(key)
         self.samples[key] = self.samples.get(key, 0) + 1
@@ -90,6 +134,8 @@ class Proposer(ABC):
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.gate = GoodputGate()
+        self.cost = StepCostModel()
+        self._last_step: float | None = None
 
     @abstractmethod
     def propose(self, batch: InputBatch, step: StepResult) -> list[list[int]]:
@@ -103,12 +149,20 @@ class Proposer(ABC):
         n = len(step.req_ids)
         bucket = 1 << max(n - 1, 0).bit_length()  # 1, 2, 4, 8, ...
         drafted = any(t >= 0 for d in step.drafts for t in d)
-        self.gate.observe(bucket, drafted, sum(map(len, step.sampled)), not all(step.sampled))
+        now = time.perf_counter()
+        seconds = None if self._last_step is None else now - self._last_step
+        self._last_step = now
+        if seconds is not None and (seconds > _MAX_GAP_S or not all(step.sampled)):
+            seconds = None  # idle gaps and steps with prefill chunks say nothing about decoding
+        if seconds is not None:
+            self.cost.observe(int(step.num_sched.sum()), seconds)
+        self.gate.observe(bucket, drafted, sum(map(len, step.sampled)), seconds)
         disable = self.config.disable_by_batch_size
         if disable is not None and batch.num_reqs >= disable:
             return [0] * n
         gate_open = not self.config.acceptance_backoff or self.gate.allow_drafts(bucket)
-        tau = TOKEN_COST * n / (1.0 + TOKEN_COST * n)
+        c = self.cost.token_cost()
+        tau = c * n / (1.0 + c * n)
         out = []
         for b in range(n):
             if not step.sampled[b]:
@@ -134,6 +188,11 @@ class Proposer(ABC):
         return k
 
 
+# Drafts must beat the break-even by this factor: near break-even the gain is within the
+# estimates' noise while a loss is certain (each probe and each rejected row costs time).
+_SAFETY = 1.3
+
+
 def _policy(state: RequestState, drafted: int, accepted: int, tau: float, k_max: int) -> int:
     """Update the request's acceptance estimate with this step's result; return its next k."""
     acc, trials, cooldown, idle = state.extra.get("spec_policy", (*_PRIOR, 0, 0))
@@ -142,8 +201,9 @@ def _policy(state: RequestState, drafted: int, accepted: int, tau: float, k_max:
         acc = _DECAY * acc + accepted
         trials = _DECAY * trials + accepted + (accepted < drafted)
     alpha = acc / trials
+    bar = min(tau * _SAFETY, 0.95)
     k = 0
-    while k < k_max and alpha ** (k + 1) > tau:
+    while k < k_max and alpha ** (k + 1) > bar:
         k += 1
     if k == 0:
         if drafted > 0:  # a failed probe (or the estimate just fell): wait longer next time
