@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--num-threads", type=int, default=None, help="impasto engine torch threads")
     args = p.parse_args()
 
     from impasto.loader.default_model import ensure_default_model
@@ -115,6 +116,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "impasto.entrypoints.cli", "serve", "--port", str(port),
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
            "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
+    if args.num_threads:
+        cmd += ["--num-threads", str(args.num_threads)]
     all_results["impasto"] = run_engine("impasto", cmd, port, env, args)
 
     vllm_python = os.environ.get("IMPASTO_BENCH_VLLM_PYTHON")

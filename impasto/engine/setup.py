@@ -15,6 +15,7 @@ from impasto.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from impasto.engine.diffusion_config import DiffusionConfig
 from impasto.engine.spec_config import SpeculativeConfig, check_draft_compat, check_target_compat
 from impasto.loader.default_model import resolve_model
+from impasto.loader.gguf_loader import release_gguf_readers
 from impasto.loader.model_loader import load_config, load_model
 from impasto.loader.tokenizer import (
     get_eos_token_id,
@@ -169,6 +170,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
         bs,
     )
     vocab = int(getattr(limits, "vocab_size", 0) or model.kv_cache_shapes() and config.vocab_size)
+    release_gguf_readers()  # target and draft are loaded: unmap their files
     return EngineComponents(
         path, config, tokenizer, eos, stop_ids, vocab, sched_config, runner, spec
     )

@@ -59,6 +59,12 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return GGUFReader(path, "r")
 
 
+def release_gguf_readers() -> None:
+    """Drop cached readers once loading is done: each maps its file, and the pages touched
+    while dequantizing (the whole file, ~100 MB for a small model) stay resident until then."""
+    _cached_reader.cache_clear()
+
+
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """A (cached) read-only reader; parsing metadata of a large vocab takes seconds."""
     p = Path(path).expanduser().resolve()
