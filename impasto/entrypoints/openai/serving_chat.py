@@ -6,16 +6,14 @@ finish_reason, an optional usage chunk, and always `data: [DONE]`.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from impasto.engine import ipc
-from impasto.entrypoints.openai.errors import APIError, as_api_error, error_body
+from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer
 from impasto.entrypoints.openai.protocol import (
     ChatChoice,
@@ -27,16 +25,13 @@ from impasto.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from impasto.entrypoints.openai.responses import ENGINE_FAILED, ChoiceChunks, EventStream, respond
 from impasto.entrypoints.openai.serving import (
     Choice,
     PromptRun,
     ServerState,
     clamp_logprob,
-    close_runs,
-    merged,
     new_id,
-    race_disconnect,
-    start_runs,
     usage_of,
 )
 from impasto.loader.tokenizer import apply_chat_template
@@ -125,37 +120,23 @@ async def create_chat_completion(
     base_id = new_id("chatcmpl")
     timer = RequestTimer(state.metrics, len(ids))
     run = PromptRun(base_id, ids, params, timer, [Choice(j) for j in range(req.n)])
-    stream = merged(start_runs(state, [run], req.priority))
-    handed_off = False
-    try:
-        ok, first = await race_disconnect(raw, anext(stream, None))
-        if not ok:
-            return Response(status_code=499)
-        if req.stream:
-            handed_off = True  # the stream accounts for its runs from here
-            return StreamingResponse(
-                _stream(state, req, run, stream, first), media_type="text/event-stream"
-            )
-
-        async def collect() -> None:
-            item = first
-            while item is not None:
-                run.apply(item[1])
-                item = await anext(stream, None)
-
-        ok, _ = await race_disconnect(raw, collect())
-        if not ok:
-            return Response(status_code=499)
-    except Exception as e:
-        close_runs([run], as_api_error(e))
-        raise
-    finally:
-        if not handed_off:
-            close_runs([run], None)
+    events = None
+    if req.stream:
+        head = {"id": base_id, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = state.model_name
+        roles = [
+            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            for c in run.choices
+        ]
+        prelude = [{"choices": [{**r, "finish_reason": None} for r in roles]}]
+        events = EventStream(head, req.stream_options, _choice_chunks(state, req), prelude)
+    response = await respond(state, raw, [run], req.priority, events)
+    if response is not None:
+        return response
     choices = []
     for c in run.choices:
         if c.finish_reason == "error":
-            raise APIError("Internal server error: the engine failed this request.", 500)
+            raise APIError(ENGINE_FAILED, 500)
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -171,64 +152,28 @@ async def create_chat_completion(
     return JSONResponse(body.model_dump())
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(
-    state: ServerState,
-    req: ChatCompletionRequest,
-    run: PromptRun,
-    stream: AsyncIterator,
-    first: tuple[int, ipc.RequestDelta] | None,
-) -> AsyncIterator[str]:
-    head = {"id": run.request_id, "object": "chat.completion.chunk", "created": int(time.time())}
-    head["model"] = state.model_name
-    opts = req.stream_options
+def _choice_chunks(state: ServerState, req: ChatCompletionRequest) -> ChoiceChunks:
     top_n = req.top_logprobs or 0
-    try:
-        roles = [
-            {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            for c in run.choices
-        ]
-        yield _sse({**head, "choices": [{**r, "finish_reason": None} for r in roles]})
-        item = first
-        while item is not None:
-            delta: ipc.RequestDelta = item[1]
-            run.apply(delta)
-            out = []
-            for c in delta.completions:
-                if c.finish_reason == "error":
-                    raise APIError("Internal server error: the engine failed this request.", 500)
-                if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
-                    continue
-                choice = run.choices[c.index]
-                lp = None
-                if req.logprobs:
-                    start = len(choice.token_ids) - len(c.token_ids)
-                    lp = _logprobs(state, choice, start, top_n).model_dump()
-                out.append(
-                    {
-                        "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-            if out:
-                chunk = {**head, "choices": out}
-                if opts is not None and opts.continuous_usage_stats:
-                    chunk["usage"] = usage_of([run]).model_dump()
-                yield _sse(chunk)
-            item = await anext(stream, None)
-        if opts is not None and opts.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage_of([run]).model_dump()})
-    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        err = as_api_error(e)
-        close_runs([run], err)
-        yield _sse(error_body(err.message, err.status, err.param))
-    finally:
-        close_runs([run], None)
-        await stream.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+
+    def chunks(i: int, run: PromptRun, delta: ipc.RequestDelta) -> list[dict[str, Any]]:
+        out = []
+        for c in delta.completions:
+            if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                continue
+            choice = run.choices[c.index]
+            lp = None
+            if req.logprobs:
+                start = len(choice.token_ids) - len(c.token_ids)
+                lp = _logprobs(state, choice, start, top_n).model_dump()
+            out.append(
+                {
+                    "index": c.index,
+                    "delta": {"content": c.text} if c.text else {},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return out
+
+    return chunks

@@ -6,15 +6,14 @@ a failure after the 200 has been sent becomes a `data: {"error": ...}` chunk.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from impasto.engine import ipc
-from impasto.entrypoints.openai.errors import APIError, as_api_error, error_body
+from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer
 from impasto.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -22,16 +21,13 @@ from impasto.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
+from impasto.entrypoints.openai.responses import ENGINE_FAILED, ChoiceChunks, EventStream, respond
 from impasto.entrypoints.openai.serving import (
     Choice,
     PromptRun,
     ServerState,
     clamp_logprob,
-    close_runs,
-    merged,
     new_id,
-    race_disconnect,
-    start_runs,
     usage_of,
 )
 
@@ -91,32 +87,19 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         if req.echo and text is None and state.tokenizer is not None:
             text = state.tokenizer.decode(ids)
         texts.append(text or "")
-    stream = merged(start_runs(state, runs, req.priority))
-    handed_off = False
-    try:
-        ok, first = await race_disconnect(raw, anext(stream, None))
-        if not ok:
-            return Response(status_code=499)
-        if req.stream:
-            handed_off = True  # the stream accounts for its runs from here
-            return StreamingResponse(
-                _stream(state, req, base_id, runs, texts, stream, first),
-                media_type="text/event-stream",
-            )
-        ok, _ = await race_disconnect(raw, _collect(runs, stream, first))
-        if not ok:
-            return Response(status_code=499)
-    except Exception as e:
-        close_runs(runs, as_api_error(e))
-        raise
-    finally:
-        if not handed_off:
-            close_runs(runs, None)
+    events = None
+    if req.stream:
+        head = {"id": base_id, "object": "text_completion", "created": int(time.time())}
+        head["model"] = state.model_name
+        events = EventStream(head, req.stream_options, _choice_chunks(state, req, texts))
+    response = await respond(state, raw, runs, req.priority, events)
+    if response is not None:
+        return response
     choices = []
     for run, text in zip(runs, texts, strict=True):
         for c in run.choices:
             if c.finish_reason == "error":
-                raise APIError("Internal server error: the engine failed this request.", 500)
+                raise APIError(ENGINE_FAILED, 500)
             lp = None
             if req.logprobs is not None:
                 lp = _logprobs(state, c, 0, req.logprobs, len(text) if req.echo else 0)
@@ -135,77 +118,35 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     return JSONResponse(body.model_dump(exclude_none=False))
 
 
-async def _collect(runs: list[PromptRun], stream: AsyncIterator, first) -> None:
-    item = first
-    while item is not None:
-        i, delta = item
-        runs[i].apply(delta)
-        item = await anext(stream, None)
+def _choice_chunks(state: ServerState, req: CompletionRequest, texts: list[str]) -> ChoiceChunks:
+    """Renders a delta's choices as stream chunks; the echoed prompt leads each choice's first."""
+    echoed: set[tuple[int, int]] = set()
 
+    def chunks(i: int, run: PromptRun, delta: ipc.RequestDelta) -> list[dict[str, Any]]:
+        out = []
+        for c in delta.completions:
+            choice = run.choices[c.index]
+            text = c.text
+            if req.echo and (i, c.index) not in echoed:
+                echoed.add((i, c.index))
+                text = texts[i] + text
+            has_lp = req.logprobs is not None and c.token_ids
+            if not text and c.finish_reason is None and not has_lp:
+                continue
+            lp = None
+            if req.logprobs is not None:
+                start = len(choice.token_ids) - len(c.token_ids)
+                offset = len(choice.text) - len(c.text)
+                lp = _logprobs(state, choice, start, req.logprobs, offset).model_dump()
+            out.append(
+                {
+                    "index": i * req.n + c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return out
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _stream(
-    state: ServerState,
-    req: CompletionRequest,
-    base_id: str,
-    runs: list[PromptRun],
-    texts: list[str],
-    stream: AsyncIterator,
-    first: tuple[int, ipc.RequestDelta] | None,
-) -> AsyncIterator[str]:
-    created, n = int(time.time()), req.n
-    opts = req.stream_options
-    head = {"id": base_id, "object": "text_completion", "created": created}
-    head["model"] = state.model_name
-    echoed: set[int] = set()
-    try:
-        item = first
-        while item is not None:
-            i, delta = item
-            run = runs[i]
-            run.apply(delta)
-            out = []
-            for c in delta.completions:
-                choice = run.choices[c.index]
-                text = c.text
-                if req.echo and (i, c.index) not in echoed:
-                    echoed.add((i, c.index))
-                    text = texts[i] + text
-                has_lp = req.logprobs is not None and c.token_ids
-                if not text and c.finish_reason is None and not has_lp:
-                    continue
-                lp = None
-                if req.logprobs is not None:
-                    start = len(choice.token_ids) - len(c.token_ids)
-                    offset = len(choice.text) - len(c.text)
-                    lp = _logprobs(state, choice, start, req.logprobs, offset).model_dump()
-                if c.finish_reason == "error":
-                    raise APIError("Internal server error: the engine failed this request.", 500)
-                out.append(
-                    {
-                        "index": i * n + c.index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                )
-            if out:
-                chunk = {**head, "choices": out}
-                if opts is not None and opts.continuous_usage_stats:
-                    chunk["usage"] = usage_of(runs).model_dump()
-                yield _sse(chunk)
-            item = await anext(stream, None)
-        if opts is not None and opts.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage_of(runs).model_dump()})
-    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        err = as_api_error(e)
-        close_runs(runs, err)
-        yield _sse(error_body(err.message, err.status, err.param))
-    finally:
-        close_runs(runs, None)
-        await stream.aclose()  # type: ignore[attr-defined]
-    yield "data: [DONE]\n\n"
+    return chunks
