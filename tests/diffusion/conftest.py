@@ -6,20 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import one_torch_thread
+
 from .checkpoints import build_checkpoint
 
+__all__ = ["one_torch_thread"]
+
 CANVAS = 16
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is as fast, and does not stall on a busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -6,40 +6,22 @@ import functools
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.models import checkpoints
+
+# The engine tests' flavour of the tiny checkpoints: a 160-token vocabulary, transformers' own
+# initialisation with its matrices scaled by 3 (peaked, non-degenerate greedy paths), and the
+# architectures' default special-token ids. Tests tuned to these weights (e.g. the spec-decode
+# distribution test's acceptance window) depend on every one of these settings.
+ENGINE_TINY = dict(vocab_size=160, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+DEFAULT_SPECIAL_IDS = {"llama": dict(bos_token_id=1, eos_token_id=2)}
 
 
 def build_checkpoint(path: Path, kind: str, **overrides) -> Path:
-    import transformers as tf
-
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=160,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-    )
-    common.update(overrides)
-    if kind == "llama":
-        config, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
-    elif kind == "qwen2":
-        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif kind == "qwen3":
-        config, cls = tf.Qwen3Config(head_dim=16, **common), tf.Qwen3ForCausalLM
-    else:
-        raise ValueError(kind)
-    torch.manual_seed(0)
-    model = cls(config).to(torch.float32).eval()
-    # Larger weights than the default init give peaked, non-degenerate greedy paths.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    extra = {**ENGINE_TINY, **DEFAULT_SPECIAL_IDS.get(kind, {})}
+    if kind == "qwen3":
+        extra["head_dim"] = 16
+    return checkpoints.build_checkpoint(path, kind, init_scale=3.0, **{**extra, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -49,19 +31,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @functools.cache
 def _hf_model(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return checkpoints.hf_model(path)
 
 
 def hf_greedy(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
     """Reference greedy decoding with the HF model, no KV cache (full recompute)."""
-    model = _hf_model(path)
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
+    return checkpoints.hf_greedy(_hf_model(path), prompt, max_tokens)

@@ -35,15 +35,24 @@ TINY: dict[str, Any] = dict(
 )
 
 
-def build_checkpoint(path: Path, kind: str, seed: int = 0, **overrides: Any) -> Path:
-    """Random weights large enough (std 0.15) that attention patterns and argmaxes are sharp."""
+def build_checkpoint(
+    path: Path, kind: str, seed: int = 0, *, init_scale: float | None = None, **overrides: Any
+) -> Path:
+    """Random weights large enough (std 0.15) that attention patterns and argmaxes are sharp.
+
+    `init_scale`: keep transformers' own initialisation and scale its matrices by this factor
+    instead (the engine-level tests' checkpoints, see `tests/entrypoints/conftest.py`).
+    """
     shard_size = overrides.pop("max_shard_size", "2GB")
     torch.manual_seed(seed)
     config = CONFIGS[kind](**{**TINY, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if init_scale is not None:
+                if p.dim() == 2:
+                    p.mul_(init_scale)
+            elif "norm" in name:
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.15)

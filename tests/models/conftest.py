@@ -1,14 +1,7 @@
-"""Tiny models are dispatch-bound: one thread is as fast and immune to a busy second core."""
+"""Tiny models run on one torch thread (see `tests.fixtures`)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+from tests.fixtures import one_torch_thread
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+__all__ = ["one_torch_thread"]
