@@ -25,7 +25,8 @@ from impasto.loader.tokenizer import (
 )
 from impasto.models.layers.packed import prepack_linear_weights
 from impasto.worker.diffusion import DiffusionModelRunner
-from impasto.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
+from impasto.worker.kv_cache import kv_cache_bytes_per_block
+from impasto.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("impasto")
 

@@ -14,14 +14,10 @@ from impasto.attention.metadata import AttentionMetadata, forward_context
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
 from impasto.worker.attn_inputs import build_attention_metadata
 from impasto.worker.input_batch import InputBatch
+from impasto.worker.kv_cache import allocate_kv_caches
 from impasto.worker.request_state import Phase, RequestState
 from impasto.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from impasto.worker.spec_decode import Proposer, RejectionSampler, StepResult
-
-
-def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * h * d * elem for h, d in model.kv_cache_shapes())
 
 
 class ModelRunner:
@@ -41,11 +37,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # Zeroed, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
-        self.kv_caches = [
-            torch.zeros((2, num_blocks, block_size, h, d), dtype=dtype, device=self.device)
-            for h, d in model.kv_cache_shapes()
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, self.device)
         max_blocks = -(-max_model_len // block_size)
         self.batch = InputBatch(max_num_reqs, max_model_len, max_blocks)
         self.requests: dict[str, RequestState] = {}  # running and preempted requests

@@ -26,6 +26,7 @@ from impasto.sampling_params import SamplingParams
 from impasto.worker import sampling_ops as ops
 from impasto.worker.attn_inputs import build_attention_metadata
 from impasto.worker.input_batch import InputBatch
+from impasto.worker.kv_cache import allocate_kv_caches
 from impasto.worker.sampler import Sampler, SamplingMetadata
 from impasto.worker.spec_decode.proposer import Proposer, StepResult
 from impasto.worker.spec_decode.rejection_sampler import DRAFT_STREAM
@@ -48,10 +49,7 @@ class DraftModelProposer(Proposer):
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.kv_caches = [
-            torch.zeros((2, num_blocks, block_size, h, d), dtype=dtype, device=self.device)
-            for h, d in model.kv_cache_shapes()
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, self.device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed ^ 0x5EED)
