@@ -15,50 +15,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from impasto.bench.serve import add_cli_args, run_benchmark  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from impasto.bench.server_process import free_port, stop_server, wait_healthy  # noqa: E402
 
 
 def _start(cmd: list[str], port: int, log: Path, env: dict, timeout_s: float) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not start in {timeout_s} s: see {log}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        healthy = wait_healthy(proc, f"http://127.0.0.1:{port}", timeout_s, poll_s=0.5)
+    except RuntimeError as e:
+        raise RuntimeError(f"{cmd[0]}: {e}: see {log}") from None
+    if not healthy:
+        stop_server(proc, timeout_s=10)
+        raise RuntimeError(f"server did not start in {timeout_s} s: see {log}")
+    return proc
 
 
 def _bench(port: int, conc: int, num: int, args: argparse.Namespace, seed: int) -> dict:
@@ -89,7 +66,7 @@ def run_engine(name: str, cmd: list[str], port: int, env: dict, args) -> dict[in
                 flush=True,
             )
     finally:
-        _stop(proc)
+        stop_server(proc, timeout_s=60)
     return results
 
 
@@ -112,7 +89,7 @@ def main() -> None:
     gguf = ensure_default_model()
     env = dict(os.environ)
     all_results: dict[str, dict[int, dict]] = {}
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "impasto.entrypoints.cli", "serve", "--port", str(port),
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
            "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
@@ -126,7 +103,7 @@ def main() -> None:
         from throughput import export_hf_folder
 
         folder = export_hf_folder(gguf, args.dtype)
-        port = _free_port()
+        port = free_port()
         venv_bin = str(Path(vllm_python).parent)
         venv_env = dict(env, PATH=f"{venv_bin}:{env.get('PATH', '')}")
         venv_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

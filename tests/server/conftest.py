@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from impasto.bench.server_process import free_port, stop_server, wait_healthy
+
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180.0
 SERVER_FLAGS = [
     "--max-model-len", "512", "--max-num-seqs", "128", "--dtype", "float32",
     "--disable-uvicorn-access-log", "--log-level", "warning",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -71,14 +65,7 @@ class Server:
         )
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_server(self.proc, timeout_s)
 
 
 def start_server(tmp: Path, api_key: str | None = API_KEY, extra: list[str] = ()) -> Server:
@@ -92,18 +79,14 @@ def start_server(tmp: Path, api_key: str | None = API_KEY, extra: list[str] = ()
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes it; closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, port, log_path, api_key)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited during startup:\n{server.log()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    server.stop()
-    raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+    try:
+        healthy = wait_healthy(proc, server.url, STARTUP_TIMEOUT_S)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}:\n{server.log()}") from None
+    if not healthy:
+        server.stop()
+        raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+    return server
 
 
 @pytest.fixture(scope="session")
