@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from impasto import kernels
 from impasto.attention.backend import AttentionBackend
 from impasto.attention.metadata import AttentionMetadata, get_forward_context
 from impasto.attention.torch_plan import SHORT_QUERY_MAX, Group, Long, Plan, build_plan
@@ -55,7 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, short_path: str = "auto") -> None:
-        """`short_path`: "sdpa", "bag" or "auto" (sdpa for fp32 caches, bag for 16-bit)."""
+        """`short_path`: "sdpa", "bag" or "auto" (sdpa for fp32 caches; for bf16 caches the
+        fused kernel when `impasto.kernels` is loaded, else bag)."""
         if short_path not in ("auto", "sdpa", "bag"):
             raise ValueError(f"short_path must be 'auto', 'sdpa' or 'bag', not {short_path!r}")
         self.short_path = short_path
@@ -86,6 +88,14 @@ class TorchAttentionBackend(AttentionBackend):
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
         p = self.plan(meta)
+        if p.all_short and self.short_path == "auto" and kv_cache.dtype == torch.bfloat16:
+            ops = kernels.ops()  # one fused call: cache write + attention for every request
+            if ops is not None and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype:
+                return ops.paged_attention(
+                    q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
+                    meta.query_start_loc, meta.seq_lens_t, p.causal_t,
+                    scale, sliding_window or 0, logit_softcap or 0.0,
+                )  # fmt: skip
         _, num_blocks, bs, hkv, d = kv_cache.shape
         if p.write_slots is not None:  # write first: short and written requests read it back
             flat = kv_cache.view(2, num_blocks * bs, hkv, d)

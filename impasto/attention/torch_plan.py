@@ -14,6 +14,7 @@ Key index == key position in every path (context 0..ctx-1, then new tokens ctx..
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -149,9 +150,22 @@ class Long:
 class Plan:
     write_slots: torch.Tensor | None  # [W] cache slots to write; None = nothing to write
     write_rows: torch.Tensor | None  # [W] token rows written; None = all rows
-    groups: list[Group]  # short-query groups (0, 1 or 2), their token rows disjoint
+    build_groups: Callable[[], list[Group]]
     longs: list[Long]
+    # Every request is a short query whose keys are all written (decode / verification steps):
+    # the fused kernel can take the whole step. causal_t: [B] bool, set only then.
+    all_short: bool = False
+    causal_t: torch.Tensor | None = None
     workspace: dict = field(default_factory=dict)
+    _groups: list[Group] | None = None
+
+    @property
+    def groups(self) -> list[Group]:
+        """Short-query groups (0, 1 or 2), their token rows disjoint; built on first use (a
+        step taken whole by the fused kernel never needs them)."""
+        if self._groups is None:
+            self._groups = self.build_groups()
+        return self._groups
 
 
 def build_plan(meta: AttentionMetadata) -> Plan:
@@ -178,8 +192,13 @@ def build_plan(meta: AttentionMetadata) -> Plan:
         n = -(-(slens[b] if written[b] else ctx) // bs)
         blocks = meta.block_table[b, :n]
         longs.append(Long(starts[b], qlens[b], ctx, slens[b], meta.causal[b], written[b], blocks))
-    groups = [_build_group(meta, part, starts, dev, bs) for part in _split_short(meta, short)]
-    return Plan(write_slots, write_rows, groups, longs)
+
+    def build_groups() -> list[Group]:
+        return [_build_group(meta, part, starts, dev, bs) for part in _split_short(meta, short)]
+
+    all_short = len(short) == meta.num_reqs > 0
+    causal_t = torch.tensor(meta.causal, device=dev) if all_short else None
+    return Plan(write_slots, write_rows, build_groups, longs, all_short, causal_t)
 
 
 # A second group costs a fixed set of kernel launches per layer (~5 ms a step for a 30-layer

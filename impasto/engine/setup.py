@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from impasto import kernels
 from impasto.core.config import SchedulerConfig
 from impasto.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
 from impasto.engine.diffusion_config import DiffusionConfig
@@ -74,6 +75,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     dtype = resolve_dtype(args.dtype, config, gguf)
     model = load_model(path, config, dtype).to(device)
     prepack_linear_weights(model)  # CPU bf16 only; a no-op elsewhere
+    kernels.install(model)  # fused CPU kernels: bf16 only; a no-op elsewhere
     dcfg, limits = None, config  # limits: the config holding ids, vocab and max positions
     if getattr(model, "is_diffusion", False):
         dcfg = DiffusionConfig.resolve(args.diffusion_config, config, path)
@@ -196,6 +198,7 @@ def _load_draft(
         )
     draft = load_model(draft_path, draft_config, dtype).to(device)
     prepack_linear_weights(draft)
+    kernels.install(draft)
     return draft
 
 

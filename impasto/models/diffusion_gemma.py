@@ -34,6 +34,8 @@ _IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_he
 class Norm(RMSNorm):
     """Gemma-4 RMSNorm: x * w in float32 (the weight is stored as is, not zero-centred)."""
 
+    fusable = False  # its own formula (optional weight), not the fused kernel's
+
     def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
         super().__init__(dim, eps)
         if not with_scale:

@@ -73,9 +73,10 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:  # per-head RMSNorm before rotary
             q = self.q_norm(qkv[:, : self.q_size].view(t, -1, d))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, d))
-            q, k = rotary(q, cos_sin), rotary(k, cos_sin)
+            q, k = rotary(q, cos_sin, inplace=True), rotary(k, cos_sin, inplace=True)
         else:  # q and k heads are adjacent: one rotary call over [T, Hq + Hkv, D]
-            qk = rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, d), cos_sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)
+            qk = rotary(qk, cos_sin, inplace=True)  # qkv is this call's own buffer
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(self.attn(q, k, v))
 

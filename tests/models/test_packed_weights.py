@@ -7,13 +7,18 @@ import torch
 
 from impasto.loader.hf import load_hf_model
 from impasto.models.layers import ReplicatedLinear
-from impasto.models.layers.packed import packed_linear, plain_linear, prepack_linear_weights
+from impasto.models.layers.packed import (
+    cpu_supports_packing,
+    packed_linear,
+    plain_linear,
+    prepack_linear_weights,
+)
 from tests.models.checkpoints import build_checkpoint
 from tests.models.harness import PagedRunner, run_greedy
 from tests.models.test_models_vs_hf import PROMPTS
 
 pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="oneDNN is not available"
+    not cpu_supports_packing(), reason="this CPU has no oneDNN bf16 weight packing"
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,9 @@ from impasto.models.layers.parallel import divide, tp_size
 
 
 class SwiGLUMLP(nn.Module):
+    fusable = True
+    fused_ops: Any = None  # set by `impasto.kernels.install`: SiLU * up in one kernel
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         if act not in ("silu", "swish"):
@@ -21,5 +26,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I_local]
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.local], gate_up[:, self.local :]
         return self.down_proj(F.silu(gate) * up)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +15,13 @@ class RMSNorm(nn.Module):
     `gemma=True`: y = x / rms(x) * (1 + w), with the weight stored zero-centred (Gemma).
     `forward(x, residual)` first does `x = x + residual` and returns `(norm(x), x)`, so that
     decoder layers carry the residual stream without an extra add kernel.
+
+    `fused_ops` (set by `impasto.kernels.install` on bf16 CPU models) does either in one
+    kernel; subclasses that change the formula set `fusable = False`.
     """
+
+    fusable = True
+    fused_ops: Any = None
 
     def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False) -> None:
         super().__init__()
@@ -31,6 +39,15 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = self.fused_ops
+        if ops is not None:
+            shape, n = x.shape, x.shape[-1]
+            if residual is None:
+                return ops.rms_norm(x.reshape(-1, n), self.weight, self.eps, self.gemma).view(shape)
+            y, x = ops.add_rms_norm(
+                x.reshape(-1, n), residual.reshape(-1, n), self.weight, self.eps, self.gemma
+            )
+            return y.view(shape), x.view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual

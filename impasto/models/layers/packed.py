@@ -13,6 +13,7 @@ and its `linear` attribute is `packed_linear`; nothing else reads packed weights
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,8 +28,22 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and not weight.is_mkldnn
-        and torch.backends.mkldnn.is_available()
+        and cpu_supports_packing()
     )
+
+
+@functools.cache
+def cpu_supports_packing() -> bool:
+    """oneDNN packs bf16 weights only on CPUs with native bf16 conversions (AVX-512 or
+    AVX-NE-CONVERT); elsewhere the reorder raises, so probe once with a tiny weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+        packed_linear(torch.ones(1, 16, dtype=torch.bfloat16), w)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> nn.Parameter:

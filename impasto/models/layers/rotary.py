@@ -49,6 +49,9 @@ def inv_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:  # [
 
 
 class RotaryEmbedding(nn.Module):
+    fusable = True
+    fused_ops: Any = None  # set by `impasto.kernels.install`: in-place rotation in one kernel
+
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -63,12 +66,18 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)])
         return table.to(dtype)[:, :, None, :]
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, head_dim] (any strides); returns a new tensor.
+    def forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, *, inplace: bool = False
+    ) -> torch.Tensor:
+        """Rotate x [T, H, head_dim] (head_dim contiguous); returns the rotated tensor.
 
         x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the sin table and
-        the half swap done by `roll` (bit-identical to HF's formula).
+        the half swap done by `roll` (bit-identical to HF's formula). `inplace=True` allows
+        (does not require) writing into x, which the fused kernel does.
         """
+        if inplace and self.fused_ops is not None:
+            self.fused_ops.rotary_(x, cos_sin)
+            return x
         if self.rot_dim < self.head_dim:  # partial rotary: the tail passes through
             head = _rotate(x[..., : self.rot_dim], cos_sin)
             return torch.cat([head, x[..., self.rot_dim :]], dim=-1)

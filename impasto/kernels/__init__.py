@@ -1,0 +1,116 @@
+"""Fused CPU kernels (`cpu_ops.cpp`), compiled on first use with the machine's C++ compiler.
+
+What they replace, per decoder layer of a bf16 model on CPU: the linear layers' bf16 matmul
+where oneDNN cannot pack bf16 weights (an AVX2 GEMM that converts weights in registers),
+residual add + RMSNorm (one
+call instead of two), SiLU * up (one instead of two plus slicing), rotary on the fused qkv
+projection in place (one instead of five), and, for steps where every request is a short,
+cache-writing query (decodes, speculative verification), the KV-cache write and paged
+attention (one instead of about twelve). Eager PyTorch pays more for dispatching these small
+kernels than for their arithmetic at batch 1 (see docs/benchmarks.md).
+
+Policy: the kernels serve 16-bit (bfloat16) models only. float32 keeps the eager reference path,
+which the token-exact tests against transformers use; the kernels compute in float32 and round
+once, so they are accurate but not bit-identical to eager bf16.
+
+`load()` builds the library once per source/torch version (about 15 s, cached under the user
+cache directory) and returns the op namespace, or None when disabled
+(`IMPASTO_CPU_KERNELS=0`) or when no compiler is available (the eager path is used then, with a
+warning). `ops()` returns what `load()` produced without building anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_OPS: Any = None
+_FLAGS_VERSION = b"2"  # bump when the compiler flags change
+_TRIED = False
+
+
+def enabled() -> bool:
+    return os.environ.get("IMPASTO_CPU_KERNELS", "1") != "0"
+
+
+def _build_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    digest = hashlib.sha256(
+        SOURCE.read_bytes() + _FLAGS_VERSION + torch.__version__.encode()
+    ).hexdigest()[:16]
+    path = base / "impasto" / "kernels" / digest
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load() -> Any:
+    """The `torch.ops.impasto` namespace, building the library if needed; None if unavailable."""
+    global _OPS, _TRIED
+    if _TRIED or not enabled():
+        return _OPS if enabled() else None
+    _TRIED = True
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        build = _build_dir()
+        if not any(build.glob("*.so")):
+            logger.info("compiling impasto's CPU kernels once (about 15 s) into %s", build)
+        load_extension(
+            "impasto_cpu_ops",
+            [str(SOURCE)],
+            # OpenMP: at::parallel_for is a header template; without it the kernels run on
+            # one thread. The runtime is torch's own (same soname, already loaded).
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            build_directory=str(build),
+        )
+        _OPS = torch.ops.impasto
+    except Exception as exc:  # no compiler, no ninja, ...: the eager path still works
+        logger.warning("impasto CPU kernels unavailable, using eager PyTorch: %s", exc)
+        _OPS = None
+    return _OPS
+
+
+def ops() -> Any:
+    """The loaded op namespace, or None (never builds: hot paths call this)."""
+    return _OPS if enabled() else None
+
+
+def wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of this dtype on this device should use the kernels (16-bit CPU)."""
+    return enabled() and device.type == "cpu" and dtype == torch.bfloat16
+
+
+def install(model: torch.nn.Module) -> int:
+    """Point the fusable layers of `model` at the kernels; returns how many (0: not wanted).
+
+    Builds the library if needed. Layers opt in with a `fusable = True` class attribute and a
+    `fused_ops` attribute that their forward checks; linear layers whose weights were not
+    packed for oneDNN (`packed.py`: CPUs without native bf16) get the skinny bf16 GEMM, which
+    streams the weights at close to the memory bandwidth where PyTorch's bf16 matmul reaches
+    about half of it (and is slower still with more rows; measured in docs/benchmarks.md).
+    """
+    from impasto.models.layers.packed import plain_linear
+
+    param = next(model.parameters(), None)
+    if param is None or not wanted(param.dtype, param.device) or load() is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if getattr(module, "fusable", False):
+            module.fused_ops = _OPS
+            count += 1
+        weight = getattr(module, "weight", None)
+        if getattr(module, "linear", None) is plain_linear and weight.dtype == torch.bfloat16:
+            module.linear = _OPS.linear_bf16  # oneDNN-packed layers (packed.py) keep theirs
+            count += 1
+    return count
