@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _OPS: Any = None
-_FLAGS_VERSION = b"2"  # bump when the compiler flags change
+_FLAGS_VERSION = b"3"  # bump when the compiler flags change
 _TRIED = False
 
 
@@ -68,7 +68,16 @@ def load() -> Any:
             [str(SOURCE)],
             # OpenMP: at::parallel_for is a header template; without it the kernels run on
             # one thread. The runtime is torch's own (same soname, already loaded).
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+            # -fno-trapping-math / -fno-math-errno: lets GCC vectorize clamps and sqrt (the
+            # kernels never read FP exception flags or errno).
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-ffp-contract=fast",
+                "-fno-trapping-math",
+                "-fno-math-errno",
+                "-fopenmp",
+            ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             build_directory=str(build),

@@ -21,41 +21,51 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 
 
 namespace {
 
-using c10::BFloat16;
+// bf16 values are handled as their raw bits (the high half of a float32): GCC vectorizes loops
+// over uint16_t, not over c10::BFloat16 objects.
+using bf16 = uint16_t;
 
 inline float to_f(float x) { return x; }
-inline float to_f(BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_f(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
 template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }
 // Round to nearest even, branch-free so that loops storing bf16 vectorize; NaN stays NaN.
-template <> inline BFloat16 from_f<BFloat16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
+template <> inline bf16 from_f<bf16>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return BFloat16(static_cast<uint16_t>(x != x ? 0x7fc0u : rounded), BFloat16::from_bits());
+  return static_cast<bf16>(x != x ? 0x7fc0u : rounded);
+}
+
+template <typename T> const T* cdata(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>) return reinterpret_cast<const bf16*>(t.const_data_ptr<c10::BFloat16>());
+  else return t.const_data_ptr<T>();
+}
+template <typename T> T* mdata(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>) return reinterpret_cast<bf16*>(t.mutable_data_ptr<c10::BFloat16>());
+  else return t.mutable_data_ptr<T>();
 }
 
 // exp for float32 without calls, so loops over it vectorize: range reduction by ln 2 and a
 // degree-6 polynomial (max relative error ~2e-7 on the clamped range, far below bf16's 4e-3).
 inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // (fmin/fmax do not vectorize)
+  // Round to nearest by adding and subtracting 1.5 * 2^23 (plain arithmetic, so it vectorizes;
+  // std::nearbyint compiles to a libm call per element).
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -64,10 +74,7 @@ inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -133,12 +140,12 @@ std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x, const std::opt
     sum = at::empty({rows, n}, x.options());
   }
 #define IMPASTO_NORM(T)                                                                        \
-  rms_norm_rows<T>(x.const_data_ptr<T>(), x.stride(0),                                         \
-                   residual.has_value() ? residual->const_data_ptr<T>() : nullptr,             \
+  rms_norm_rows<T>(cdata<T>(x), x.stride(0),                                         \
+                   residual.has_value() ? cdata<T>(*residual) : nullptr,             \
                    residual.has_value() ? residual->stride(0) : 0,                             \
-                   residual.has_value() ? sum.mutable_data_ptr<T>() : nullptr,                 \
-                   weight.const_data_ptr<T>(), out.mutable_data_ptr<T>(), rows, n, eps, gemma)
-  if (x.scalar_type() == at::kBFloat16) IMPASTO_NORM(BFloat16);
+                   residual.has_value() ? mdata<T>(sum) : nullptr,                 \
+                   cdata<T>(weight), mdata<T>(out), rows, n, eps, gemma)
+  if (x.scalar_type() == at::kBFloat16) IMPASTO_NORM(bf16);
   else if (x.scalar_type() == at::kFloat) IMPASTO_NORM(float);
   else TORCH_CHECK(false, "add_rms_norm: float32 or bfloat16 only");
 #undef IMPASTO_NORM
@@ -156,18 +163,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 // ---------------------------------------------------------------- SwiGLU: silu(gate) * up
+// Inner loops live in functions of their own, with restrict pointers and sizes by value: inside
+// a parallel_for lambda GCC reloads captured values every iteration and does not vectorize.
+template <typename T>
+void silu_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = to_f(g[i]);
+    o[i] = from_f<T>(gi / (1.0f + fast_exp(-gi)) * to_f(u[i]));
+  }
+}
+
 template <typename T>
 void silu_mul_rows(const T* x, int64_t xs, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const T* g = x + t * xs;
-      const T* u = g + n;
-      T* o = out + t * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const float gi = to_f(g[i]);
-        o[i] = from_f<T>(gi / (1.0f + fast_exp(-gi)) * to_f(u[i]));
-      }
-    }
+  at::parallel_for(0, rows, grain_rows(2 * n), [=](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) silu_mul_row(x + t * xs, x + t * xs + n, out + t * n, n);
   });
 }
 
@@ -177,11 +186,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = at::empty({rows, n}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16)
-    silu_mul_rows<BFloat16>(gate_up.const_data_ptr<BFloat16>(), gate_up.stride(0),
-                            out.mutable_data_ptr<BFloat16>(), rows, n);
+    silu_mul_rows<bf16>(cdata<bf16>(gate_up), gate_up.stride(0),
+                            mdata<bf16>(out), rows, n);
   else if (gate_up.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(gate_up.const_data_ptr<float>(), gate_up.stride(0),
-                         out.mutable_data_ptr<float>(), rows, n);
+    silu_mul_rows<float>(cdata<float>(gate_up), gate_up.stride(0),
+                         mdata<float>(out), rows, n);
   else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
   return out;
 }
@@ -220,11 +229,11 @@ void rotary_(at::Tensor x, const at::Tensor& table) {
   TORCH_CHECK(table.scalar_type() == x.scalar_type(), "rotary_: table dtype must match x");
   const int64_t rot = table.size(3);
   if (x.scalar_type() == at::kBFloat16)
-    rotary_rows<BFloat16>(x.mutable_data_ptr<BFloat16>(), x.stride(0), x.stride(1), x.size(0),
-                          x.size(1), table.const_data_ptr<BFloat16>(), rot);
+    rotary_rows<bf16>(mdata<bf16>(x), x.stride(0), x.stride(1), x.size(0),
+                          x.size(1), cdata<bf16>(table), rot);
   else if (x.scalar_type() == at::kFloat)
-    rotary_rows<float>(x.mutable_data_ptr<float>(), x.stride(0), x.stride(1), x.size(0),
-                       x.size(1), table.const_data_ptr<float>(), rot);
+    rotary_rows<float>(mdata<float>(x), x.stride(0), x.stride(1), x.size(0),
+                       x.size(1), cdata<float>(table), rot);
   else TORCH_CHECK(false, "rotary_: float32 or bfloat16 only");
 }
 
@@ -296,7 +305,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
           for (int64_t k = all_lo; k < klo; ++k) s[k] = ninf;
           for (int64_t k = khi; k < all_hi; ++k) s[k] = ninf;
           float m = ninf;
-          for (int64_t k = klo; k < khi; ++k) m = std::fmax(m, s[k]);
+          for (int64_t k = klo; k < khi; ++k) m = s[k] > m ? s[k] : m;
           float sum = 0.0f;
           for (int64_t k = all_lo; k < all_hi; ++k) {
             const float e = k >= klo && k < khi ? fast_exp(s[k] - m) : 0.0f;
@@ -330,8 +339,8 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
 template <typename T>
 void write_kv(const at::Tensor& k, const at::Tensor& v, T* cache, int64_t half, const int64_t* slots,
               int64_t tokens, int64_t hkv, int64_t d) {
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
+  const T* kp = cdata<T>(k);
+  const T* vp = cdata<T>(v);
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t s = slots[t];
     if (s < 0) continue;
@@ -371,14 +380,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   auto out = at::empty({tokens, hq * d}, q.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    T* cache = kv_cache.mutable_data_ptr<T>();
-    write_kv<T>(k, v, cache, half, slot_mapping.const_data_ptr<int64_t>(), tokens, hkv, d);
-    attend<T>(q.const_data_ptr<T>(), q.stride(0), q.stride(1), cache, cache + half,
-              block_table.const_data_ptr<int64_t>(), block_table.stride(0),
-              query_start_loc.const_data_ptr<int64_t>(), seq_lens.const_data_ptr<int64_t>(),
-              causal.const_data_ptr<bool>(), out.mutable_data_ptr<T>(), num_reqs, a);
+    T* cache = mdata<T>(kv_cache);
+    write_kv<T>(k, v, cache, half, cdata<int64_t>(slot_mapping), tokens, hkv, d);
+    attend<T>(cdata<T>(q), q.stride(0), q.stride(1), cache, cache + half,
+              cdata<int64_t>(block_table), block_table.stride(0),
+              cdata<int64_t>(query_start_loc), cdata<int64_t>(seq_lens),
+              cdata<bool>(causal), mdata<T>(out), num_reqs, a);
   };
-  if (dt == at::kBFloat16) run(BFloat16{});
+  if (dt == at::kBFloat16) run(bf16{});
   else if (dt == at::kFloat) run(float{});
   else TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only");
   return out;
@@ -392,11 +401,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // the odd-indexed ones, which meet x split once per call into its even and odd elements
 // (xs = [x[0], x[2], ..., x[1], x[3], ...]). Memory-bound at batch 1, where PyTorch's bf16
 // matmul on CPUs without native bf16 instructions reaches about half the bandwidth.
-// Work split: blocks of 4 weight rows; x rows in tiles of 2 (4 x 2 x 2 register accumulators).
+// Work split: blocks of 4 weight rows per thread; x rows in tiles of 64 (kept in L2), within
+// which one x row meets one weight row at a time, or two x rows meet 4 weight rows.
 constexpr int64_t kRowBlock = 4;
 // Software prefetch distance for the one-row path: with rows of ~1 KiB the hardware prefetcher
 // alone left ~30 % of the bandwidth unused (measured: 1-4 KiB ahead all help; 4 KiB best).
 constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kTokenTile = 64;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum(__m256 v) {
@@ -405,46 +416,53 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
-// RB weight rows x TT rows of x (template arguments: every accumulator stays in a register).
-// Returns the number of columns done (a multiple of 16). One row at a time (RB = 1) reads the
-// weight strictly sequentially, which the hardware prefetchers stream at full bandwidth; four
-// short rows read side by side stream at about half of it (measured on a 576-column model).
-template <int TT, int RB>
-inline int64_t gemm_tile(const float* xs, int64_t in, const BFloat16* w, float (&sums)[2][kRowBlock]) {
+// One weight row (RB = 1) against one x row: four accumulator chains, the weight read strictly
+// sequentially, which the hardware prefetchers (plus a software prefetch) stream at full
+// bandwidth; four short rows read side by side stream at about half of it (measured on a
+// 576-column model). Returns the number of columns done (a multiple of 32).
+inline int64_t gemm_row(const float* xs, int64_t in, const bf16* w, float& sum) {
   const int64_t half = (in + 1) / 2;
   const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  constexpr int U = RB == 1 ? 2 : 1;  // unrolled 16-column steps: 2 * U chains per row
-  __m256 a[TT][RB][2 * U];
-  for (auto& t : a)
-    for (auto& r : t)
-      for (auto& v : r) v = _mm256_setzero_ps();
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t i = 0;
-  for (; i + 16 * U <= in; i += 16 * U) {
-    if (RB == 1) _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
+  for (; i + 32 <= in; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T0);
+    for (int u = 0; u < 2; ++u) {
       const int64_t c = i + 16 * u;
-      __m256 we[RB], wo[RB];
-      for (int r = 0; r < RB; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * in + c));
-        we[r] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        wo[r] = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
-      }
-      for (int t = 0; t < TT; ++t) {
-        const __m256 xe = _mm256_loadu_ps(xs + t * in + c / 2);
-        const __m256 xo = _mm256_loadu_ps(xs + t * in + half + c / 2);
-        for (int r = 0; r < RB; ++r) {
-          a[t][r][2 * u] = _mm256_fmadd_ps(we[r], xe, a[t][r][2 * u]);
-          a[t][r][2 * u + 1] = _mm256_fmadd_ps(wo[r], xo, a[t][r][2 * u + 1]);
-        }
-      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
+      a[2 * u] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs + c / 2), a[2 * u]);
+      a[2 * u + 1] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs + half + c / 2), a[2 * u + 1]);
     }
   }
-  for (int t = 0; t < TT; ++t)
-    for (int r = 0; r < RB; ++r) {
-      __m256 v = a[t][r][0];
-      for (int k = 1; k < 2 * U; ++k) v = _mm256_add_ps(v, a[t][r][k]);
-      sums[t][r] = hsum(v);
+  sum = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+  return i;
+}
+
+// kRowBlock weight rows against two x rows: 8 accumulators (one per pair, even and odd columns
+// folded into it) plus 4 x registers fit the 16 AVX registers. Each 16-column weight chunk is
+// widened once and used for both x rows. Returns the number of columns done (a multiple of 16).
+inline int64_t gemm_tile2(const float* xs, int64_t in, const bf16* w, float (&sums)[2][kRowBlock]) {
+  const int64_t half = (in + 1) / 2;
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  __m256 a[2][kRowBlock];
+  for (auto& t : a)
+    for (auto& v : t) v = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= in; i += 16) {
+    const __m256 xe0 = _mm256_loadu_ps(xs + i / 2), xo0 = _mm256_loadu_ps(xs + half + i / 2);
+    const __m256 xe1 = _mm256_loadu_ps(xs + in + i / 2), xo1 = _mm256_loadu_ps(xs + in + half + i / 2);
+    for (int r = 0; r < kRowBlock; ++r) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * in + i));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd_mask));
+      a[0][r] = _mm256_fmadd_ps(wo, xo0, _mm256_fmadd_ps(we, xe0, a[0][r]));
+      a[1][r] = _mm256_fmadd_ps(wo, xo1, _mm256_fmadd_ps(we, xe1, a[1][r]));
     }
+  }
+  for (int t = 0; t < 2; ++t)
+    for (int r = 0; r < kRowBlock; ++r) sums[t][r] = hsum(a[t][r]);
   return i;
 }
 #endif
@@ -453,7 +471,7 @@ inline float x_at(const float* xs, int64_t in, int64_t j) {  // element j of a s
   return j % 2 == 0 ? xs[j / 2] : xs[(in + 1) / 2 + j / 2];
 }
 
-inline void gemm_block(const float* xs, int64_t nt, int64_t in, const BFloat16* w, int64_t o0,
+inline void gemm_block(const float* xs, int64_t nt, int64_t in, const bf16* w, int64_t o0,
                        int64_t nrow, float* acc /* [nt, nrow] */) {
   for (int64_t t0 = 0; t0 < nt; t0 += 2) {
     const int64_t tt = std::min<int64_t>(2, nt - t0);
@@ -461,18 +479,14 @@ inline void gemm_block(const float* xs, int64_t nt, int64_t in, const BFloat16* 
     int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (tt == 1) {  // one x row: one weight row at a time, sequential reads
-      float one[2][kRowBlock];
-      for (int64_t r = 0; r < nrow; ++r) {
-        i = gemm_tile<1, 1>(xs + t0 * in, in, w + (o0 + r) * in, one);
-        sums[0][r] = one[0][0];
-      }
+      for (int64_t r = 0; r < nrow; ++r) i = gemm_row(xs + t0 * in, in, w + (o0 + r) * in, sums[0][r]);
     } else if (nrow == kRowBlock) {
-      i = gemm_tile<2, kRowBlock>(xs + t0 * in, in, w + o0 * in, sums);
+      i = gemm_tile2(xs + t0 * in, in, w + o0 * in, sums);
     }
 #endif
     for (int64_t t = 0; t < tt; ++t)  // remainder columns (and the portable path)
       for (int64_t r = 0; r < nrow; ++r) {
-        const BFloat16* wr = w + (o0 + r) * in;
+        const bf16* wr = w + (o0 + r) * in;
         float s = sums[t][r];
         for (int64_t j = i; j < in; ++j) s += x_at(xs + (t0 + t) * in, in, j) * to_f(wr[j]);
         acc[(t0 + t) * nrow + r] = s;
@@ -487,34 +501,36 @@ at::Tensor linear_2d(const at::Tensor& x, const at::Tensor& weight, const std::o
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "linear_bf16: bfloat16 only");
   const int64_t nt = x.size(0), in = x.size(1), out_f = weight.size(0);
-  const BFloat16* bp = nullptr;
+  const bf16* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_f && bias->scalar_type() == at::kBFloat16,
                 "linear_bf16: bias must be a contiguous [O] bfloat16 tensor");
-    bp = bias->const_data_ptr<BFloat16>();
+    bp = cdata<bf16>(*bias);
   }
   auto y = at::empty({nt, out_f}, x.options());
   std::vector<float> xs(nt * in + 1);  // rows split into (even | odd) elements
-  const BFloat16* xp = x.const_data_ptr<BFloat16>();
+  const bf16* xp = cdata<bf16>(x);
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t j = 0; j < in; ++j)
       xs[t * in + (j % 2 == 0 ? j / 2 : (in + 1) / 2 + j / 2)] = to_f(xp[t * x.stride(0) + j]);
-  const BFloat16* wp = weight.const_data_ptr<BFloat16>();
-  BFloat16* yp = y.mutable_data_ptr<BFloat16>();
+  const bf16* wp = cdata<bf16>(weight);
+  bf16* yp = mdata<bf16>(y);
   const int64_t blocks = (out_f + kRowBlock - 1) / kRowBlock;
   // ~64 KiB of weights per task at least: below that, a second thread costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (32768 / std::max<int64_t>(in, 1)) / kRowBlock);
+  // Token tiles outside, weight blocks inside: a tile of x (64 rows) stays in L2 while this
+  // thread's weights stream past it, instead of all of x streaming past every weight block.
   at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
-    float acc[64 * kRowBlock];
-    for (int64_t blk = lo; blk < hi; ++blk) {
-      const int64_t o0 = blk * kRowBlock, nrow = std::min(kRowBlock, out_f - o0);
-      for (int64_t t0 = 0; t0 < nt; t0 += 64) {
-        const int64_t tn = std::min<int64_t>(64, nt - t0);
+    float acc[kTokenTile * kRowBlock];
+    for (int64_t t0 = 0; t0 < nt; t0 += kTokenTile) {
+      const int64_t tn = std::min<int64_t>(kTokenTile, nt - t0);
+      for (int64_t blk = lo; blk < hi; ++blk) {
+        const int64_t o0 = blk * kRowBlock, nrow = std::min(kRowBlock, out_f - o0);
         gemm_block(xs.data() + t0 * in, tn, in, wp, o0, nrow, acc);
         for (int64_t t = 0; t < tn; ++t)
           for (int64_t r = 0; r < nrow; ++r) {
             const float b = bp != nullptr ? to_f(bp[o0 + r]) : 0.0f;
-            yp[(t0 + t) * out_f + o0 + r] = from_f<BFloat16>(acc[t * nrow + r] + b);
+            yp[(t0 + t) * out_f + o0 + r] = from_f<bf16>(acc[t * nrow + r] + b);
           }
       }
     }
