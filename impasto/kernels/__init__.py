@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,21 @@ def enabled() -> bool:
     return os.environ.get("IMPASTO_CPU_KERNELS", "1") != "0"
 
 
+def _cpu_features() -> bytes:
+    """The CPU's feature flags: the library is built with -march=native, so a cache shared by
+    machines of different kinds (a network home directory) must not mix their builds."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return (flags or platform.machine()).encode()
+
+
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    digest = hashlib.sha256(
-        SOURCE.read_bytes() + _FLAGS_VERSION + torch.__version__.encode()
-    ).hexdigest()[:16]
+    key = SOURCE.read_bytes() + _FLAGS_VERSION + torch.__version__.encode() + _cpu_features()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     path = base / "impasto" / "kernels" / digest
     path.mkdir(parents=True, exist_ok=True)
     return path
