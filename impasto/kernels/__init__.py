@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,18 @@ def _build_dir() -> Path:
     return path
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package installs it next to this interpreter,
+    which is not on PATH when a virtualenv's python is run without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # the PyPI package (a project dependency)
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load() -> Any:
     """The `torch.ops.impasto` namespace, building the library if needed; None if unavailable."""
     global _OPS, _TRIED
@@ -70,6 +83,8 @@ def load() -> Any:
     _TRIED = True
     try:
         from torch.utils.cpp_extension import load as load_extension
+
+        _put_ninja_on_path()
 
         build = _build_dir()
         if not any(build.glob("*.so")):

@@ -168,3 +168,13 @@ def test_install_switches_bf16_models_only():
     assert fp32[1].fused_ops is None
     assert kernels.install(bf16) == 2
     assert bf16[0].linear is ops.linear_bf16 and bf16[1].fused_ops is ops
+
+
+def test_ninja_found_without_an_activated_environment(monkeypatch, tmp_path):
+    """torch builds with `ninja` from PATH; the pip-installed one must be found regardless."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    kernels._put_ninja_on_path()
+    assert shutil.which("ninja") is not None
+    assert os.environ["PATH"].split(os.pathsep)[0] == ninja.BIN_DIR
