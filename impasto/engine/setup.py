@@ -64,6 +64,15 @@ def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
     return torch.bfloat16
 
 
+def prepare_for_device(model: torch.nn.Module) -> torch.nn.Module:
+    """CPU bf16 only (a no-op elsewhere): pack linear weights for oneDNN where the CPU supports
+    it, then point the remaining layers at the fused kernels. Order matters: packed layers keep
+    oneDNN, the others get the kernels' GEMM."""
+    prepack_linear_weights(model)
+    kernels.install(model)
+    return model
+
+
 def build_components(args: EngineArgs) -> EngineComponents:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -73,9 +82,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     gguf = is_gguf_file(path)
     config = load_config(path)
     dtype = resolve_dtype(args.dtype, config, gguf)
-    model = load_model(path, config, dtype).to(device)
-    prepack_linear_weights(model)  # CPU bf16 only; a no-op elsewhere
-    kernels.install(model)  # fused CPU kernels: bf16 only; a no-op elsewhere
+    model = prepare_for_device(load_model(path, config, dtype).to(device))
     dcfg, limits = None, config  # limits: the config holding ids, vocab and max positions
     if getattr(model, "is_diffusion", False):
         dcfg = DiffusionConfig.resolve(args.diffusion_config, config, path)
@@ -196,10 +203,7 @@ def _load_draft(
             f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
             f"max_model_len ({max_len}): decrease max_model_len."
         )
-    draft = load_model(draft_path, draft_config, dtype).to(device)
-    prepack_linear_weights(draft)
-    kernels.install(draft)
-    return draft
+    return prepare_for_device(load_model(draft_path, draft_config, dtype).to(device))
 
 
 def _build_proposer(spec, draft, sched: SchedulerConfig, dtype, device, seed: int):

@@ -2,8 +2,8 @@
 
 What they replace, per decoder layer of a bf16 model on CPU: the linear layers' bf16 matmul
 where oneDNN cannot pack bf16 weights (an AVX2 GEMM that converts weights in registers),
-residual add + RMSNorm (one
-call instead of two), SiLU * up (one instead of two plus slicing), rotary on the fused qkv
+residual add + RMSNorm (one call instead of two), SiLU * up (one instead of two plus slicing;
+decode-sized inputs only, see `mlp.py`), rotary on the fused qkv
 projection in place (one instead of five), and, for steps where every request is a short,
 cache-writing query (decodes, speculative verification), the KV-cache write and paged
 attention (one instead of about twelve). Eager PyTorch pays more for dispatching these small
@@ -13,8 +13,8 @@ Policy: the kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
 which the token-exact tests against transformers use; the kernels compute in float32 and round
 once, so they are accurate but not bit-identical to eager bf16.
 
-`load()` builds the library once per source/torch version (about 15 s, cached under the user
-cache directory) and returns the op namespace, or None when disabled
+`load()` builds the library once per source, flags, torch version and CPU kind (about 20 s,
+cached under the user cache directory) and returns the op namespace, or None when disabled
 (`IMPASTO_CPU_KERNELS=0`) or when no compiler is available (the eager path is used then, with a
 warning). `ops()` returns what `load()` produced without building anything.
 """
@@ -88,7 +88,7 @@ def load() -> Any:
 
         build = _build_dir()
         if not any(build.glob("*.so")):
-            logger.info("compiling impasto's CPU kernels once (about 15 s) into %s", build)
+            logger.info("compiling impasto's CPU kernels once (about 20 s) into %s", build)
         load_extension(
             "impasto_cpu_ops",
             [str(SOURCE)],

@@ -95,6 +95,14 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [T, N] with a contiguous last dim");
 }
 
+// [..., N] -> [rows, N] with a contiguous last dim: a view where the strides allow (2-D rows
+// of a wider buffer stay views), else a copy. Row kernels take any leading shape through it.
+at::Tensor as_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "expected a tensor with at least one dimension");
+  if (x.dim() == 2 && x.stride(1) == 1) return x;
+  return (x.stride(-1) == 1 ? x : x.contiguous()).reshape({-1, x.size(-1)});
+}
+
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 // ---------------------------------------------------------------- RMSNorm (+ residual add)
@@ -125,25 +133,24 @@ void rms_norm_rows(const T* x, int64_t xs, const T* res, int64_t rs, T* sum, con
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+// x [..., N] (and residual of x's shape): the outputs have x's shape, contiguous.
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x_in, const std::optional<at::Tensor>& residual,
                                              const at::Tensor& weight, double eps, bool gemma) {
-  check_rows(x, "x");
+  const at::Tensor x = as_rows(x_in);
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == x.scalar_type(),
               "weight must be a contiguous [N] tensor of x's dtype");
-  auto out = at::empty({rows, n}, x.options());
-  at::Tensor sum;
+  auto out = at::empty(x_in.sizes(), x.options());
+  at::Tensor sum, res;
   if (residual.has_value()) {
-    check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+    TORCH_CHECK(residual->sizes() == x_in.sizes() && residual->scalar_type() == x.scalar_type(),
                 "residual must match x");
-    sum = at::empty({rows, n}, x.options());
+    res = as_rows(*residual);
+    sum = at::empty(x_in.sizes(), x.options());
   }
 #define IMPASTO_NORM(T)                                                                        \
-  rms_norm_rows<T>(cdata<T>(x), x.stride(0),                                         \
-                   residual.has_value() ? cdata<T>(*residual) : nullptr,             \
-                   residual.has_value() ? residual->stride(0) : 0,                             \
-                   residual.has_value() ? mdata<T>(sum) : nullptr,                 \
+  rms_norm_rows<T>(cdata<T>(x), x.stride(0), res.defined() ? cdata<T>(res) : nullptr,          \
+                   res.defined() ? res.stride(0) : 0, sum.defined() ? mdata<T>(sum) : nullptr, \
                    cdata<T>(weight), mdata<T>(out), rows, n, eps, gemma)
   if (x.scalar_type() == at::kBFloat16) IMPASTO_NORM(bf16);
   else if (x.scalar_type() == at::kFloat) IMPASTO_NORM(float);
@@ -254,7 +261,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
   const int64_t g = a.hq / a.hkv, d = a.d, row = a.hkv * d;  // row: one slot's K (or V)
   const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, num_reqs * a.hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf, sc, acc, kv(d);
+    std::vector<float> qf, sc, acc, denom, kv(d);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t b = item / a.hkv, h = item % a.hkv;
       const int64_t start = qsl[b], qlen = qsl[b + 1] - start, len = seq[b], ctx = len - qlen;
@@ -296,7 +303,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
           sc[r * len + k] = s;
         }
       }
-      std::vector<float> denom(nrows);
+      denom.resize(nrows);
       for (int64_t i = 0; i < qlen; ++i) {  // masked, exact softmax per query row
         int64_t klo, khi;
         range(i, klo, khi);
@@ -544,9 +551,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
   if (x.numel() == 0) return at::empty(shape, x.options());  // (an empty x may have any strides)
-  if (x.stride(-1) != 1) return linear_bf16(x.contiguous(), weight, bias);
-  if (x.dim() == 2) return linear_2d(x, weight, bias);
-  return linear_2d(x.reshape({-1, x.size(-1)}), weight, bias).view(shape);
+  auto y = linear_2d(as_rows(x), weight, bias);
+  return x.dim() == 2 ? y : y.view(shape);
 }
 
 }  // namespace

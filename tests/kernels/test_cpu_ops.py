@@ -63,12 +63,22 @@ def test_rms_norm_of_strided_heads():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 9])
 def test_silu_and_mul(dtype, rows):
-    mlp = SwiGLUMLP(32, 48).to(dtype)
     x = torch.randn(rows, 96).to(dtype) * 4  # wide range: the fast exp near the clamp too
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     gate, up = x[:, :48], x[:, 48:]
     close(ops.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+def test_mlp_uses_the_kernel_for_decode_sized_inputs_only(monkeypatch):
+    mlp = SwiGLUMLP(32, 48).to(torch.bfloat16)
     assert mlp.fused_ops is None  # installed per model, never by default
+    calls = []
+    mlp.fused_ops = type(
+        "Ops", (), {"silu_and_mul": lambda self, x: calls.append(x) or x[:, 48:]}
+    )()
+    mlp(torch.randn(1, 32).to(torch.bfloat16))
+    mlp(torch.randn(65, 32).to(torch.bfloat16))
+    assert [c.shape[0] for c in calls] == [1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

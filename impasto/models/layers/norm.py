@@ -39,19 +39,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = self.fused_ops
-        if ops is not None and x.dim() == 2:  # [T, N]: no reshapes (decoder layers' case)
+        ops = self.fused_ops  # the kernels take any leading shape ([T, N], [T, H, D] views)
+        if ops is not None:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps, self.gemma)
             return ops.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
-        if ops is not None:  # e.g. per-head q/k norms over [T, H, D] views
-            shape, n = x.shape, x.shape[-1]
-            if residual is None:
-                return ops.rms_norm(x.reshape(-1, n), self.weight, self.eps, self.gemma).view(shape)
-            y, x = ops.add_rms_norm(
-                x.reshape(-1, n), residual.reshape(-1, n), self.weight, self.eps, self.gemma
-            )
-            return y.view(shape), x.view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual
