@@ -133,6 +133,8 @@ def install(model: torch.nn.Module) -> int:
     packed for oneDNN (`packed.py`: CPUs without native bf16) get the skinny bf16 GEMM, which
     streams the weights at close to the memory bandwidth where PyTorch's bf16 matmul reaches
     about half of it (and is slower still with more rows; measured in docs/benchmarks.md).
+    Then modules with an `install_kernels(ops)` method (a model's decoder stack) get to set up
+    paths that span several layers.
     """
     from impasto.models.layers.packed import plain_linear
 
@@ -148,4 +150,8 @@ def install(model: torch.nn.Module) -> int:
         if getattr(module, "linear", None) is plain_linear and weight.dtype == torch.bfloat16:
             module.linear = _OPS.linear_bf16  # oneDNN-packed layers (packed.py) keep theirs
             count += 1
+    for module in model.modules():  # whole-stack paths, once their layers are set up
+        hook = getattr(module, "install_kernels", None)
+        if hook is not None:
+            hook(_OPS)
     return count

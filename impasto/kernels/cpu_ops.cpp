@@ -555,6 +555,64 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
   return x.dim() == 2 ? y : y.view(shape);
 }
 
+// ---------------------------------------------------------------- a stack of decoder layers
+// Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3) for short-query steps, in one call:
+// the same kernels, in the same order, as the per-module path (so the results are identical),
+// without ~25 Python module calls and op dispatches per layer around them (~6 ms of a 20 ms
+// batch-1 step of a 30-layer model). Per layer, `weights` holds kLayerFields entries (absent
+// ones None), in the order of the LayerField enum; kv_caches and windows are per layer.
+enum LayerField {
+  kInNorm, kQkvW, kQkvB, kQNorm, kKNorm, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB,
+  kLayerFields
+};
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const at::Tensor& table,
+    const c10::List<std::optional<at::Tensor>>& weights, at::TensorList kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& causal,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    at::IntArrayRef windows) {
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerFields &&
+                  static_cast<int64_t>(windows.size()) == layers,
+              "decoder_layers: expected ", kLayerFields, " weights and one window per layer");
+  check_rows(x_in, "x");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "decoder_layers: bfloat16 only");
+  const int64_t t = x_in.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
+  at::Tensor x = x_in;
+  at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
+  for (int64_t l = 0; l < layers; ++l) {
+    auto w = [&](LayerField f) { return weights.get(l * kLayerFields + f); };
+    at::Tensor h;
+    if (residual.defined()) {
+      std::tie(h, residual) = norm_impl(x, residual, *w(kInNorm), eps, false);
+    } else {
+      h = std::get<0>(norm_impl(x, std::nullopt, *w(kInNorm), eps, false));
+      residual = x;
+    }
+    // [T, (Hq + 2 Hkv) * D] -> [T, Hq + 2 Hkv, D]: q heads, k heads, v heads
+    const at::Tensor qkv = linear_2d(h, *w(kQkvW), w(kQkvB)).view({t, hq + 2 * hkv, d});
+    at::Tensor q = qkv.narrow(1, 0, hq), k = qkv.narrow(1, hq, hkv);
+    const at::Tensor v = qkv.narrow(1, hq + hkv, hkv);
+    if (w(kQNorm).has_value()) {  // Qwen3: per-head RMSNorm, then rotary on the normed copies
+      q = std::get<0>(norm_impl(q, std::nullopt, *w(kQNorm), eps, false));
+      k = std::get<0>(norm_impl(k, std::nullopt, *w(kKNorm), eps, false));
+      rotary_(q, table);
+      rotary_(k, table);
+    } else {  // q and k heads are adjacent: one rotary call over [T, Hq + Hkv, D]
+      rotary_(qkv.narrow(1, 0, hq + hkv), table);
+    }
+    const at::Tensor attn = paged_attention(q, k, v, kv_caches[l], slot_mapping, block_table,
+                                            query_start_loc, seq_lens, causal, scale, windows[l], 0.0);
+    const at::Tensor o = linear_2d(attn, *w(kOW), w(kOB));
+    std::tie(h, residual) = norm_impl(o, residual, *w(kPostNorm), eps, false);
+    const at::Tensor act = silu_and_mul(linear_2d(h, *w(kGateUpW), w(kGateUpB)));
+    x = linear_2d(act, *w(kDownW), w(kDownB));
+  }
+  return {x, residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(impasto, m) {
@@ -567,6 +625,11 @@ TORCH_LIBRARY(impasto, m) {
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
       "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor causal, float scale, "
       "int window, float softcap) -> Tensor");
+  m.def(
+      "decoder_layers(Tensor x, Tensor? residual, Tensor table, Tensor?[] weights, "
+      "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor causal, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "float scale, int[] windows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(impasto, CPU, m) {
@@ -576,4 +639,5 @@ TORCH_LIBRARY_IMPL(impasto, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("rotary_", &rotary_);
   m.impl("paged_attention", &paged_attention);
+  m.impl("decoder_layers", &decoder_layers);
 }

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from impasto.models.fused_stack import FusedDecoderStack
 from impasto.models.layers import (
     Attention,
     ParallelLMHead,
@@ -112,6 +114,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Set by `impasto.kernels.install` (through `install_kernels`) when the whole stack can run
+    # as one native call on short-query steps; see fused_stack.py.
+    fused_stack: FusedDecoderStack | None = None
+
     def __init__(self, config: PretrainedConfig, options: list[AttentionOptions]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -124,10 +130,18 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)  # shared by all layers
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos_sin, self.rotary_emb)
+        stacked = self.fused_stack(x, cos_sin) if self.fused_stack is not None else None
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos_sin, self.rotary_emb)
         return self.norm(x, residual)[0]
+
+    def install_kernels(self, ops: Any) -> None:
+        """Called by `impasto.kernels.install` after the layers got their kernels."""
+        self.fused_stack = FusedDecoderStack.build(ops, self)
 
 
 class LlamaForCausalLM(nn.Module):
