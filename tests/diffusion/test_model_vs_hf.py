@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import types
+
 import pytest
 import torch
 
-from impasto.loader.hf import load_hf_model
+from impasto.loader.hf import iter_safetensors, load_hf_model
 
 from .checkpoints import build_checkpoint, build_model
 from .harness import OneRequest
@@ -23,13 +26,51 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
+# Dense layers (no experts): transformers' DiffusionGemma always has them, and documents its
+# layers as Gemma-4 text decoder layers with the changes that concern the KV cache; its dense
+# reference is therefore transformers' own Gemma-4 layer forward without the MoE block, run on
+# DiffusionGemma's layers (attention and all), against impasto loading the same checkpoint
+# without the expert tensors.
+DENSE = "dense"
+MOE_ONLY = ("router.", "experts.", "post_feedforward_layernorm_1.", "post_feedforward_layernorm_2.",
+            "pre_feedforward_layernorm_2.")  # fmt: skip
+
+
+def _dense_reference(hf) -> None:
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+
+    layers = [*hf.model.encoder.language_model.layers, *hf.model.decoder.layers]
+    for layer in layers:
+        layer.enable_moe_block = False
+        layer.hidden_size_per_layer_input = 0
+        layer.gradient_checkpointing = False  # read by the Gemma-4 forward
+        layer.forward = types.MethodType(Gemma4TextDecoderLayer.forward, layer)
+
+
+def _dense_checkpoint(hf, moe_path, path) -> None:
+    """The MoE checkpoint's tensors without the expert ones; config without experts."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(hf.config)
+    config.text_config.num_experts = config.text_config.top_k_experts = None
+    config.save_pretrained(path)
+    state = dict(iter_safetensors(moe_path))
+    save_file({n: t for n, t in state.items() if not any(m in n for m in MOE_ONLY)},
+              str(path / "model.safetensors"))  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted([*VARIANTS, DENSE]))
 def pair(request, tmp_path_factory):
-    path = build_checkpoint(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    variant = VARIANTS.get(request.param, VARIANTS["moe"])
+    path = build_checkpoint(tmp_path_factory.mktemp(request.param), **variant)
     from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
     hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=torch.float32)
+    if request.param == DENSE:
+        _dense_reference(hf)
+        _dense_checkpoint(hf, path, path := tmp_path_factory.mktemp("dense-checkpoint"))
     ours, _ = load_hf_model(path)
+    assert all(layer.moe == (request.param != DENSE) for layer in ours.layers)
     return hf.eval(), ours
 
 
