@@ -217,8 +217,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         logits = F.linear(hidden, self.embed_tokens.weight).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.softcap:  # in place: [N, V] is large (N = canvas rows), fresh buffers cost
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

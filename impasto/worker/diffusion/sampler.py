@@ -114,7 +114,7 @@ class DiffusionSampler:
         # Decisions (argmax, sampling, entropy bound, convergence) are taken on logits
         # snapped to a 2^-GRID_BITS grid: float noise from batch-dependent kernel choices
         # (~1e-6) then flips a decision only when a logit sits on a grid boundary.
-        processed = torch.round(logits * (GRID / cfg.temperature(state.step))) / GRID
+        processed = (logits * (GRID / cfg.temperature(state.step))).round_().div_(GRID)
         logp = torch.log_softmax(processed, dim=-1)  # [L, V]
         probs = logp.exp()
         ent = -(probs * logp).sum(-1)  # [L] entropy of each position
