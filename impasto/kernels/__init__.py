@@ -7,7 +7,9 @@ decode-sized inputs only, see `mlp.py`), rotary on the fused qkv
 projection in place (one instead of five), and, for steps where every request is a short,
 cache-writing query (decodes, speculative verification), the KV-cache write and paged
 attention (one instead of about twelve). Eager PyTorch pays more for dispatching these small
-kernels than for their arithmetic at batch 1 (see docs/benchmarks.md).
+kernels than for their arithmetic at batch 1 (see docs/benchmarks.md). On those steps the
+decoder layers of a Llama-family model run as one call that chains the same kernels in C++
+(`decoder_layers`, see `models/fused_stack.py`), so no Python runs between them.
 
 Policy: the kernels serve 16-bit (bfloat16) models only. float32 keeps the eager reference path,
 which the token-exact tests against transformers use; the kernels compute in float32 and round

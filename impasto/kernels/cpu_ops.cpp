@@ -559,15 +559,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
 // Llama-family decoder layers (Llama, Mistral, Qwen2, Qwen3) for short-query steps, in one call:
 // the same kernels, in the same order, as the per-module path (so the results are identical),
 // without ~25 Python module calls and op dispatches per layer around them (~6 ms of a 20 ms
-// batch-1 step of a 30-layer model). Per layer, `weights` holds kLayerFields entries (absent
-// ones None), in the order of the LayerField enum; kv_caches and windows are per layer.
+// batch-1 step of a 30-layer model). x [T, hidden] are the embeddings; returns (the last MLP
+// output, the residual stream), whose sum the final norm takes. Per layer, `weights` holds
+// kLayerFields entries (absent ones None), in the order of the LayerField enum (FIELDS in
+// models/fused_stack.py); kv_caches and windows are per layer.
 enum LayerField {
   kInNorm, kQkvW, kQkvB, kQNorm, kKNorm, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB,
   kLayerFields
 };
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in, const at::Tensor& table,
+    const at::Tensor& x_in, const at::Tensor& table,
     const c10::List<std::optional<at::Tensor>>& weights, at::TensorList kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& causal,
@@ -580,8 +582,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   check_rows(x_in, "x");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "decoder_layers: bfloat16 only");
   const int64_t t = x_in.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
-  at::Tensor x = x_in;
-  at::Tensor residual = residual_in.has_value() ? *residual_in : at::Tensor();
+  at::Tensor x = x_in, residual;  // the residual stream starts as the embeddings (layer 0)
   for (int64_t l = 0; l < layers; ++l) {
     auto w = [&](LayerField f) { return weights.get(l * kLayerFields + f); };
     at::Tensor h;
@@ -626,7 +627,7 @@ TORCH_LIBRARY(impasto, m) {
       "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor causal, float scale, "
       "int window, float softcap) -> Tensor");
   m.def(
-      "decoder_layers(Tensor x, Tensor? residual, Tensor table, Tensor?[] weights, "
+      "decoder_layers(Tensor x, Tensor table, Tensor?[] weights, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor causal, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int[] windows) -> (Tensor, Tensor)");

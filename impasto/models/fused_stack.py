@@ -130,7 +130,7 @@ class FusedDecoderStack:
             return None
         hq, hkv, d = self.heads
         return self.ops.decoder_layers(
-            x, None, cos_sin, self.weights, caches, meta.slot_mapping, meta.block_table,
+            x, cos_sin, self.weights, caches, meta.slot_mapping, meta.block_table,
             meta.query_start_loc, meta.seq_lens_t, plan.causal_t,
             hq, hkv, d, self.eps, self.scale, self.windows,
         )  # fmt: skip
