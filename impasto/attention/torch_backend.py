@@ -14,6 +14,8 @@ cache has the model dtype). Requests with any slot -1 never read their new keys 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +77,16 @@ class TorchAttentionBackend(AttentionBackend):
         assert self._plan is not None
         return self._plan
 
+    def fused_kernel(self, p: Plan, kv_cache: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The kernel ops when the fused paged attention takes this step (every request a
+        short, cache-writing query; a bf16 CPU cache; queries of the cache's dtype), else None.
+        The decoder stack (models/fused_stack.py) asks the same question."""
+        if not p.all_short or self.short_path != "auto" or kv_cache.dtype != torch.bfloat16:
+            return None
+        if kv_cache.device.type != "cpu" or dtype != kv_cache.dtype:
+            return None
+        return kernels.ops()
+
     def forward(
         self,
         q: torch.Tensor,
@@ -88,14 +100,13 @@ class TorchAttentionBackend(AttentionBackend):
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
         p = self.plan(meta)
-        if p.all_short and self.short_path == "auto" and kv_cache.dtype == torch.bfloat16:
-            ops = kernels.ops()  # one fused call: cache write + attention for every request
-            if ops is not None and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype:
-                return ops.paged_attention(
-                    q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
-                    meta.query_start_loc, meta.seq_lens_t, p.causal_t,
-                    scale, sliding_window or 0, logit_softcap or 0.0,
-                )  # fmt: skip
+        ops = self.fused_kernel(p, kv_cache, q.dtype)
+        if ops is not None:  # one fused call: cache write + attention for every request
+            return ops.paged_attention(
+                q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
+                meta.query_start_loc, meta.seq_lens_t, p.causal_t,
+                scale, sliding_window or 0, logit_softcap or 0.0,
+            )  # fmt: skip
         _, num_blocks, bs, hkv, d = kv_cache.shape
         if p.write_slots is not None:  # write first: short and written requests read it back
             flat = kv_cache.view(2, num_blocks * bs, hkv, d)

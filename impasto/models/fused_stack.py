@@ -31,31 +31,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Order of one layer's entries in the `weights` list (C++: enum LayerField).
-FIELDS = (
-    "in_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
-    "post_norm", "gate_up_w", "gate_up_b", "down_w", "down_b",
-)  # fmt: skip
-
 
 def _layer_weights(layer: LlamaDecoderLayer) -> list[torch.Tensor | None]:
+    """One layer's entries of the `weights` list, in the order of C++'s enum LayerField."""
     attn, mlp = layer.self_attn, layer.mlp
     qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (None, None)
-    by_name = {
-        "in_norm": layer.input_layernorm.weight,
-        "qkv_w": attn.qkv_proj.weight,
-        "qkv_b": attn.qkv_proj.bias,
-        "q_norm": qk[0],
-        "k_norm": qk[1],
-        "o_w": attn.o_proj.weight,
-        "o_b": attn.o_proj.bias,
-        "post_norm": layer.post_attention_layernorm.weight,
-        "gate_up_w": mlp.gate_up_proj.weight,
-        "gate_up_b": mlp.gate_up_proj.bias,
-        "down_w": mlp.down_proj.weight,
-        "down_b": mlp.down_proj.bias,
-    }
-    return [by_name[f] for f in FIELDS]
+    return [
+        layer.input_layernorm.weight,
+        attn.qkv_proj.weight, attn.qkv_proj.bias,
+        *qk,
+        attn.o_proj.weight, attn.o_proj.bias,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+        mlp.down_proj.weight, mlp.down_proj.bias,
+    ]  # fmt: skip
 
 
 def unsupported_reason(ops: Any, model: LlamaModel) -> str | None:
@@ -84,11 +73,10 @@ def unsupported_reason(ops: Any, model: LlamaModel) -> str | None:
         return "layers differ in head shapes"
     if any(a.attn.logit_softcap is not None for a in attns):
         return "logit soft-capping"
-    if any(
-        not isinstance(a.attn.backend, TorchAttentionBackend) or a.attn.backend.short_path != "auto"
-        for a in attns
+    if len({id(a.attn.backend) for a in attns}) != 1 or not isinstance(
+        attns[0].attn.backend, TorchAttentionBackend
     ):
-        return "attention backend"
+        return "attention backend"  # (whether its fused kernel applies is asked per step)
     return None
 
 
@@ -118,16 +106,14 @@ class FusedDecoderStack:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [T, hidden] embeddings -> (last MLP output, residual stream), or None when this
         step must run per module."""
-        if x.shape[0] > FUSED_SILU_MAX_ROWS or x.dtype != torch.bfloat16:
+        if x.shape[0] > FUSED_SILU_MAX_ROWS:  # the MLP's own limit for its fused SiLU
             return None
         ctx = get_forward_context()
         meta = ctx.metadata
         caches = [ctx.kv_caches[i] for i in self.layer_ids]
-        if caches[0].dtype != torch.bfloat16 or caches[0].device.type != "cpu":
-            return None
         plan = self.backend.plan(meta)
-        if not plan.all_short:
-            return None
+        if self.backend.fused_kernel(plan, caches[0], x.dtype) is None:
+            return None  # the attention layers would not take their fused kernel either
         hq, hkv, d = self.heads
         return self.ops.decoder_layers(
             x, cos_sin, self.weights, caches, meta.slot_mapping, meta.block_table,

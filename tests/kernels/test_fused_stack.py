@@ -73,18 +73,14 @@ def _generate(path, *, stack: bool, **engine_args):
 def test_stack_gives_the_per_module_bits(checkpoint, engine_args):
     got, steps = _generate(checkpoint, stack=True, **engine_args)
     want, _ = _generate(checkpoint, stack=False, **engine_args)
-    assert steps > 0, "no step took the fused stack"
+    if engine_args:  # verification steps: how many depends on the n-gram proposals
+        assert steps > 0, "no step took the fused stack"
+    else:  # one step prefills all prompts per module (and samples their first token); the
+        assert steps == 15  # 15 decode steps that follow go through the stack
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
         assert tokens == ref_tokens
         for a, b in zip(logprobs, ref_logprobs, strict=True):
             assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
-
-
-def test_stack_takes_decode_steps_and_declines_prefill(checkpoint):
-    """One step prefills all prompts (and samples their first token): per module; the 15
-    decode steps that follow go through the stack."""
-    _, steps = _generate(checkpoint, stack=True)
-    assert steps == 15
 
 
 def test_unsupported_models_keep_the_per_module_path(tmp_path):
