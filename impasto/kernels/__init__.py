@@ -11,9 +11,14 @@ kernels than for their arithmetic at batch 1 (see docs/benchmarks.md). On those 
 decoder layers of a Llama-family model run as one call that chains the same kernels in C++
 (`decoder_layers`, see `models/fused_stack.py`), so no Python runs between them.
 
-Policy: the kernels serve 16-bit (bfloat16) models only. float32 keeps the eager reference path,
-which the token-exact tests against transformers use; the kernels compute in float32 and round
-once, so they are accurate but not bit-identical to eager bf16.
+Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
+reference path, which the token-exact tests against transformers use; the kernels compute in
+float32 and round once, so they are accurate but not bit-identical to eager bf16.
+`diffusion_ops.cpp` is the exception: the diffusion sampler's per-position pass (grid snap,
+softmax, entropy, inverse-CDF draw, argmax over [positions, vocab], in place) and soft-capping
+work on float32 logits whatever the model dtype, so the diffusion runner uses them for every
+dtype on CPU. Its grid-snapped logits and argmax equal the eager path's bit for bit; sums run
+in double, so probabilities and entropies agree to float rounding (tests/kernels).
 
 `load()` builds the library once per source, flags, torch version and CPU kind (about 20 s,
 cached under the user cache directory) and returns the op namespace, or None when disabled
@@ -35,7 +40,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_DIR = Path(__file__).parent
+SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "diffusion_ops.cpp")  # one library, one op namespace
+HEADERS = (_DIR / "vec_math.h",)
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change
 _TRIED = False
@@ -58,7 +65,8 @@ def _cpu_features() -> bytes:
 
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    key = SOURCE.read_bytes() + _FLAGS_VERSION + torch.__version__.encode() + _cpu_features()
+    sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = sources + _FLAGS_VERSION + torch.__version__.encode() + _cpu_features()
     digest = hashlib.sha256(key).hexdigest()[:16]
     path = base / "impasto" / "kernels" / digest
     path.mkdir(parents=True, exist_ok=True)
@@ -93,7 +101,7 @@ def load() -> Any:
             logger.info("compiling impasto's CPU kernels once (about 20 s) into %s", build)
         load_extension(
             "impasto_cpu_ops",
-            [str(SOURCE)],
+            [str(p) for p in SOURCES],
             # OpenMP: at::parallel_for is a header template; without it the kernels run on
             # one thread. The runtime is torch's own (same soname, already loaded).
             # -fno-trapping-math / -fno-math-errno: lets GCC vectorize clamps and sqrt (the

@@ -30,9 +30,11 @@
 #include <type_traits>
 #include <vector>
 
-
+#include "vec_math.h"
 
 namespace {
+
+using impasto_vec::fast_exp;
 
 // bf16 values are handled as their raw bits (the high half of a float32): GCC vectorizes loops
 // over uint16_t, not over c10::BFloat16 objects.
@@ -56,25 +58,6 @@ template <typename T> const T* cdata(const at::Tensor& t) {
 template <typename T> T* mdata(const at::Tensor& t) {
   if constexpr (std::is_same_v<T, bf16>) return reinterpret_cast<bf16*>(t.mutable_data_ptr<c10::BFloat16>());
   else return t.mutable_data_ptr<T>();
-}
-
-// exp for float32 without calls, so loops over it vectorize: range reduction by ln 2 and a
-// degree-6 polynomial (max relative error ~2e-7 on the clamped range, far below bf16's 4e-3).
-inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // (fmin/fmax do not vectorize)
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (plain arithmetic, so it vectorizes;
-  // std::nearbyint compiles to a libm call per element).
-  constexpr float kRound = 12582912.0f;
-  const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

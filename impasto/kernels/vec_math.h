@@ -1,0 +1,49 @@
+// Float32 math written as plain arithmetic (no libm calls), so that GCC vectorizes the loops
+// that use it. Shared by the kernel sources of impasto/kernels.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace impasto_vec {
+
+// exp: range reduction by ln 2 and a degree-6 polynomial (max relative error ~2e-7 on the
+// clamped range, far below bf16's 4e-3). Inputs below -87 give exp(-87) ~ 1.6e-38, not 0.
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // (fmin/fmax do not vectorize)
+  // Round to nearest by adding and subtracting 1.5 * 2^23 (plain arithmetic, so it vectorizes;
+  // std::nearbyint compiles to a libm call per element).
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// tanh within a few ulp. |x| < 0.5: the odd Taylor series to x^15 (the first omitted term is
+// below 1e-8 there, so no cancellation and no truncation error that matters); otherwise
+// (1 - t) / (1 + t) with t = exp(-2|x|) <= e^-1, where neither subtraction nor division
+// amplifies exp's error by more than ~1.6x. Beyond |x| = 9, t underflows float's precision: 1.
+inline float fast_tanh(float x) {
+  const float a = x < 0.0f ? -x : x;
+  const float z = x * x;
+  float s = -929569.0f / 638512875.0f;
+  s = s * z + 21844.0f / 6081075.0f;
+  s = s * z - 1382.0f / 155925.0f;
+  s = s * z + 62.0f / 2835.0f;
+  s = s * z - 17.0f / 315.0f;
+  s = s * z + 2.0f / 15.0f;
+  s = s * z - 1.0f / 3.0f;
+  const float small = x + x * z * s;
+  const float t = fast_exp(-2.0f * (a > 9.0f ? 9.0f : a));
+  const float big = (1.0f - t) / (1.0f + t);
+  return a < 0.5f ? small : (x < 0.0f ? -big : big);
+}
+
+}  // namespace impasto_vec
