@@ -123,7 +123,7 @@ def run_impasto(
         timers.wrap(model, "forward", "forward")
         timers.wrap(model, "compute_logits", "lm_head")
         timers.wrap(model, "soft_embeddings", "self_cond")
-        timers.wrap(runner.canvas_sampler, "step", "sampler")
+        timers.wrap(runner.canvas_sampler, "step_many", "sampler")
     before = {m.name: m.value for m in llm.llm_engine.get_metrics()}
     t0 = time.perf_counter()
     outs = run(prompts, params)

@@ -156,6 +156,7 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
     """Runner interface of `impasto.models.llama` plus `self_conditioning` rows (see forward)."""
 
     is_diffusion = True
+    fused_ops: Any = None  # the CPU kernels (set by the diffusion runner): soft-capping
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -215,10 +216,23 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             x = layer(x, cos_sin[kind], self.rotary[kind])
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        logits = F.linear(hidden, self.embed_tokens.weight).float()
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [N, H]
+        out: torch.Tensor | None = None,  # [N, V] float32 to write into (a reused workspace)
+    ) -> torch.Tensor:  # [N, V] float32
+        w = self.embed_tokens.weight
+        if out is None:
+            logits = F.linear(hidden, w).float()
+        elif w.dtype == hidden.dtype == torch.float32:
+            logits = torch.mm(hidden, w.t(), out=out)
+        else:
+            logits = out.copy_(F.linear(hidden, w))
         if self.softcap:  # in place: [N, V] is large (N = canvas rows), fresh buffers cost
-            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            if self.fused_ops is not None and logits.device.type == "cpu":
+                self.fused_ops.softcap_(logits, float(self.softcap))
+            else:
+                logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

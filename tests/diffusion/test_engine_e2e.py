@@ -98,6 +98,39 @@ def test_mixed_lengths_batch_and_prefix_cache_hits_are_invariant(tiny_dg):
     )
 
 
+def test_vocab_work_chunked_or_eager_gives_the_same_outputs(tiny_dg, monkeypatch):
+    """The canvases of a step share one LM head, sampler pass and self-conditioning product
+    per workspace chunk: outputs are the same with one canvas per chunk, and with the eager
+    sampler and soft-capping instead of the CPU kernels."""
+    from impasto.worker.diffusion import runner as runner_mod
+
+    prompts = _prompts([5, 40, 16, 17, 70, 33], seed=4)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, seed=5)
+    want = _gen(make_llm(tiny_dg), prompts, params)
+
+    llm = make_llm(tiny_dg)
+    vocab = llm.llm_engine.runner.vocab
+    monkeypatch.setattr(runner_mod, "WORKSPACE_BYTES", CANVAS * vocab * 4)
+    steps = []
+    denoise = llm.llm_engine.runner._denoise
+
+    def spy(states, lens, rows, hidden):
+        steps.append(len(states))
+        return denoise(states, lens, rows, hidden)
+
+    monkeypatch.setattr(llm.llm_engine.runner, "_denoise", spy)
+    assert _gen(llm, prompts, params) == want
+    assert max(steps) > 1  # several canvases per step, so several chunks per step
+    monkeypatch.undo()
+
+    eager = make_llm(tiny_dg)
+    runner = eager.llm_engine.runner
+    if runner.canvas_sampler.ops is None:
+        pytest.skip("CPU kernels unavailable: the default run was eager already")
+    runner.canvas_sampler.ops = runner.model.fused_ops = None
+    assert _gen(eager, prompts, params) == want
+
+
 def test_streaming_emits_whole_canvases_and_metrics(tiny_dg):
     llm = make_llm(tiny_dg)
     engine = llm.llm_engine

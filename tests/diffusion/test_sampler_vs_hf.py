@@ -12,6 +12,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
     StableAndConfidentStoppingCriteria,
 )
 
+from impasto import kernels
 from impasto.engine.diffusion_config import DiffusionConfig
 from impasto.worker.diffusion.sampler import (
     GRID,
@@ -20,9 +21,21 @@ from impasto.worker.diffusion.sampler import (
     entropy,
     entropy_bound_accept,
     random_canvas,
+    snap,
 )
 
 V, L = 50, 24
+
+
+@pytest.fixture(params=["eager", "kernel"])
+def ops(request):
+    """The sampler's per-position pass: eager PyTorch, or the CPU kernel."""
+    if request.param == "eager":
+        return None
+    ops = kernels.load()
+    if ops is None:
+        pytest.skip("CPU kernels unavailable")
+    return ops
 
 
 def _logits(seed: int, sharp: float = 4.0) -> torch.Tensor:
@@ -58,10 +71,10 @@ def test_entropy_bound_acceptance_and_renoise(bound, sharp):
     assert torch.equal(torch.where(mask, sampled, noise), renoised_hf)
 
 
-def test_sampler_step_matches_hf_pipeline():
+def test_sampler_step_matches_hf_pipeline(ops):
     """One full step: processed logits, acceptance, renoise (same sample and noise)."""
     cfg = DiffusionConfig(canvas_length=L, max_denoising_steps=10, entropy_bound=1.0)
-    sampler = DiffusionSampler(cfg, V)
+    sampler = DiffusionSampler(cfg, V, ops)
     raw = _logits(4, 8.0)
     state = CanvasState(start=5, tokens=random_canvas(V, L, 3, 5, -1), step=2)
     res = sampler.step(raw, state, L, seed=3)
@@ -70,8 +83,10 @@ def test_sampler_step_matches_hf_pipeline():
         None, raw, cur_step=10 - 2
     )
     # decisions use the processed logits snapped to a fine grid (batch-invariance guard)
-    torch.testing.assert_close(res.processed, processed, atol=0.5 / GRID, rtol=0)
-    processed = res.processed
+    snapped = snap(raw.clone(), torch.full((L,), GRID / cfg.temperature(2)))
+    torch.testing.assert_close(snapped, processed, atol=0.5 / GRID, rtol=0)
+    processed = snapped
+    torch.testing.assert_close(res.probs, torch.softmax(processed, -1), atol=1e-6, rtol=1e-5)
     hf = EntropyBoundSampler(EntropyBoundSamplerConfig(entropy_bound=1.0), L, V, 10)
     accepted = hf.accept_canvas(state.tokens[None], res.sampled[None], processed[None], 8)
     noise = random_canvas(V, L, 3, 5, 2)
@@ -80,10 +95,10 @@ def test_sampler_step_matches_hf_pipeline():
     assert torch.equal(res.argmax, processed.argmax(-1))
 
 
-def test_sampling_follows_the_softmax():
+def test_sampling_follows_the_softmax(ops):
     """The canvas draws follow softmax(processed), like HF's multinomial."""
     cfg = DiffusionConfig(canvas_length=1, max_denoising_steps=1, t_min=0.5, t_max=1.0)
-    sampler = DiffusionSampler(cfg, 4)
+    sampler = DiffusionSampler(cfg, 4, ops)
     raw = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
     counts = torch.zeros(4)
     for start in range(2000):
@@ -117,9 +132,9 @@ def test_convergence_matches_stable_and_confident(threshold):
         assert got == want, i
 
 
-def test_step_cap_converges_and_clipped_canvas_pads():
+def test_step_cap_converges_and_clipped_canvas_pads(ops):
     cfg = DiffusionConfig(canvas_length=L, max_denoising_steps=3, stability_threshold=1)
-    sampler = DiffusionSampler(cfg, V)
+    sampler = DiffusionSampler(cfg, V, ops)
     state = CanvasState(start=0, tokens=random_canvas(V, L, 0, 0, -1))
     valid = 9
     for step in range(3):

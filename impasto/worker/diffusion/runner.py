@@ -13,6 +13,11 @@ Phase is the runner's own state (`RequestState.phase`), never inferred from quer
 
 Preemption resets the phase to PREFILL and drops the canvas (`RequestState.extra`); since the
 draws depend only on (seed, canvas start, step), the resumed request redoes the same canvas.
+
+The canvases denoised in one step share their vocabulary-sized work: one LM head product, one
+pass of the sampler's per-position kernel and one self-conditioning product per chunk of
+canvases (a chunk: whole canvases, up to WORKSPACE_BYTES of [rows, vocab] float32 logits, or
+one canvas if that is larger), in a workspace kept across steps.
 """
 
 from __future__ import annotations
@@ -22,12 +27,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from impasto import kernels
 from impasto.attention.metadata import forward_context
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
 from impasto.engine.diffusion_config import DiffusionConfig
-from impasto.worker.diffusion.sampler import CanvasState, DiffusionSampler, random_canvas
+from impasto.worker.diffusion.sampler import (
+    CanvasJob,
+    CanvasState,
+    DiffusionSampler,
+    StepResult,
+    random_canvas,
+)
 from impasto.worker.model_runner import ModelRunner
 from impasto.worker.request_state import Phase, RequestState
+
+WORKSPACE_BYTES = 128 << 20  # [rows, vocab] float32 logits of one chunk of canvases
 
 
 @dataclass
@@ -53,8 +67,12 @@ class DiffusionModelRunner(ModelRunner):
         self.canvas_length = diffusion_config.canvas_length
         self.seed = seed
         self.vocab = int(model.vocab_size)
-        self.canvas_sampler = DiffusionSampler(diffusion_config, self.vocab)
+        # The sampler's row kernel and soft-capping serve every dtype on CPU (float32 math).
+        ops = kernels.load() if self.device.type == "cpu" else None
+        model.fused_ops = ops
+        self.canvas_sampler = DiffusionSampler(diffusion_config, self.vocab, ops)
         self.stats = DiffusionStats()
+        self._workspace = torch.empty(0, device=self.device)  # grown on demand, kept
 
     def _seed(self, state: RequestState) -> int:
         s = state.sampling_params.seed
@@ -105,6 +123,11 @@ class DiffusionModelRunner(ModelRunner):
         with forward_context(meta, self.kv_caches):
             hidden = self.model(input_ids, meta.positions, sc_rows, sc_soft)
 
+        canvases = iter(
+            self._denoise(
+                [states[b] for b in denoise], [int(n) for n in num_sched[denoise]], sc_rows, hidden
+            )
+        )
         sampled: list[list[int]] = []
         spec: list[list[int]] = []
         for b, (state, phase) in enumerate(zip(states, phases, strict=True)):
@@ -115,7 +138,7 @@ class DiffusionModelRunner(ModelRunner):
                 spec.append(self._new_canvas(state).tokens.tolist() if done else [])
             elif phase is Phase.DENOISE:
                 sampled.append([])
-                spec.append(self._denoise(state, hidden[int(cu[b]) : int(cu[b + 1])]))
+                spec.append(next(canvases))
             else:  # COMMIT: its KV was written by this causal pass
                 toks = state.extra["canvas"].argmax[:n].tolist()
                 batch.append_tokens(row, toks)
@@ -155,19 +178,65 @@ class DiffusionModelRunner(ModelRunner):
             parts.append(soft[: int(n)])
         return torch.cat(parts)
 
-    def _denoise(self, state: RequestState, hidden: torch.Tensor) -> list[int]:
-        canvas: CanvasState = state.extra["canvas"]
-        valid = hidden.shape[0]
-        logits = self.model.compute_logits(hidden)  # [valid, V] float32
-        res = self.canvas_sampler.step(logits, canvas, valid, self._seed(state))
-        self.stats.denoising_steps += 1
-        self.stats.canvas_positions += valid
-        canvas.step += 1
-        canvas.argmax = res.argmax
-        if res.converged:
-            state.phase = Phase.COMMIT
-            canvas.soft = None
-            return res.argmax.tolist()
-        canvas.tokens = res.canvas
-        canvas.soft = self.model.soft_embeddings(res.probs[:valid])
-        return res.canvas.tolist()
+    def _denoise(
+        self,
+        states: list[RequestState],
+        lens: list[int],
+        rows: torch.Tensor | None,  # [sum lens] rows of `hidden`, canvas after canvas
+        hidden: torch.Tensor,  # [T, H]
+    ) -> list[list[int]]:
+        """One denoising step of each canvas (in order) -> each one's next spec tokens."""
+        out: list[list[int]] = []
+        if not states:
+            return out
+        assert rows is not None
+        start, i = 0, 0
+        while i < len(states):
+            j, n = i + 1, lens[i]  # a chunk: canvases i..j-1, n rows
+            while j < len(states) and (n + lens[j]) * self.vocab * 4 <= WORKSPACE_BYTES:
+                n, j = n + lens[j], j + 1
+            h = hidden.index_select(0, rows[start : start + n])  # [n, H]
+            logits = self.model.compute_logits(h, out=self._logits_buffer(n))  # [n, V] fp32
+            jobs = [
+                CanvasJob(s.extra["canvas"], v, self._seed(s))
+                for s, v in zip(states[i:j], lens[i:j], strict=True)
+            ]
+            results, probs = self.canvas_sampler.step_many(logits, jobs)
+            out += self._advance(states[i:j], results, probs)
+            start, i = start + n, j
+        return out
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        if self._workspace.numel() < rows * self.vocab:
+            self._workspace = torch.empty(rows * self.vocab, device=self.device)
+        return self._workspace[: rows * self.vocab].view(rows, self.vocab)
+
+    def _advance(
+        self, states: list[RequestState], results: list[StepResult], probs: torch.Tensor
+    ) -> list[list[int]]:
+        """Canvases after their step: converged ones go to COMMIT with their argmax; the others
+        get their renoised canvas and, in one product for all of them, the self-conditioning
+        input of their next step. probs [sum valid, V]: the step's, canvas after canvas."""
+        going = [k for k, r in enumerate(results) if not r.converged]
+        if going:
+            if len(going) < len(results):  # some converged: only the others need theirs
+                probs = torch.cat([results[k].probs for k in going])
+            soft = self.model.soft_embeddings(probs)  # [sum valid of going, H]
+            soft_parts = soft.split([results[k].probs.shape[0] for k in going])
+        out = []
+        for k, (state, res) in enumerate(zip(states, results, strict=True)):
+            canvas: CanvasState = state.extra["canvas"]
+            valid = res.probs.shape[0]
+            self.stats.denoising_steps += 1
+            self.stats.canvas_positions += valid
+            canvas.step += 1
+            canvas.argmax = res.argmax
+            if res.converged:
+                state.phase = Phase.COMMIT
+                canvas.soft = None
+                out.append(res.argmax.tolist())
+            else:
+                canvas.tokens = res.canvas
+                canvas.soft = soft_parts[going.index(k)]
+                out.append(res.canvas.tolist())
+        return out
