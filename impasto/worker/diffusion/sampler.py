@@ -163,7 +163,10 @@ class DiffusionSampler:
         each result's `probs` is a view."""
         cfg = self.config
         scale = torch.cat(
-            [torch.full((j.valid,), GRID / cfg.temperature(j.state.step)) for j in jobs]
+            [
+                torch.full((j.valid,), GRID / cfg.temperature(j.state.step), dtype=torch.float32)
+                for j in jobs
+            ]
         )  # float32, as eager multiplies a float32 tensor by a Python float
         u = torch.cat(  # one uniform per canvas position; padding positions draw theirs too
             [torch.rand(j.state.tokens.numel(), generator=self._gen(j, STREAM_SAMPLE))[: j.valid]
