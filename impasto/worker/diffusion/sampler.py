@@ -162,12 +162,13 @@ class DiffusionSampler:
         become the probabilities) -> the canvases' results and probs [sum valid, V], of which
         each result's `probs` is a view."""
         cfg = self.config
+        # GRID / temperature per row, rounded to float32 as eager rounds a Python-float factor
         scale = torch.cat(
             [
                 torch.full((j.valid,), GRID / cfg.temperature(j.state.step), dtype=torch.float32)
                 for j in jobs
             ]
-        )  # float32, as eager multiplies a float32 tensor by a Python float
+        )
         u = torch.cat(  # one uniform per canvas position; padding positions draw theirs too
             [torch.rand(j.state.tokens.numel(), generator=self._gen(j, STREAM_SAMPLE))[: j.valid]
              for j in jobs]
