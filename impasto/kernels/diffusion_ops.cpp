@@ -86,10 +86,6 @@ std::pair<float, int64_t> snap_row(float* x, int64_t n, float scale, float inv_g
   return {best, arg};
 }
 
-// exp, but 0 (not fast_exp's clamped 1.6e-38) where float's exp has no normal result: a token
-// whose probability underflows must have none, so that no uniform can draw it.
-inline float exp_or_zero(float x) { return x < -87.0f ? 0.0f : fast_exp(x); }
-
 struct RowResult {
   float entropy;
   int64_t sample;
@@ -110,13 +106,13 @@ RowResult softmax_sample_row(float* x, int64_t n, float m, float u, double* bloc
     for (; i + 8 <= len; i += 8)
       for (int l = 0; l < 8; ++l) {
         const float d = v[i + l] - m;
-        const float e = exp_or_zero(d);
+        const float e = fast_exp(d);
         v[i + l] = e;
         s[l] += e;
         w[l] += e * d;
       }
     for (; i < len; ++i) {
-      const float d = v[i] - m, e = exp_or_zero(d);
+      const float d = v[i] - m, e = fast_exp(d);
       v[i] = e;
       s[0] += e;
       w[0] += e * d;

@@ -8,9 +8,12 @@
 namespace impasto_vec {
 
 // exp: range reduction by ln 2 and a degree-6 polynomial (max relative error ~2e-7 on the
-// clamped range, far below bf16's 4e-3). Inputs below -87 give exp(-87) ~ 1.6e-38, not 0.
+// clamped range, far below bf16's 4e-3). Below -87, where float's exp has no normal result, 0:
+// a softmax weight that underflows is none (the sampler relies on it: such a token is never
+// drawn), not the clamp's 1.6e-38.
 inline float fast_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // (fmin/fmax do not vectorize)
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : (x > 88.0f ? 88.0f : x);  // (fmin/fmax do not vectorize)
   // Round to nearest by adding and subtracting 1.5 * 2^23 (plain arithmetic, so it vectorizes;
   // std::nearbyint compiles to a libm call per element).
   constexpr float kRound = 12582912.0f;
@@ -23,7 +26,7 @@ inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.0f : p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
 // tanh within a few ulp. |x| < 0.5: the odd Taylor series to x^15 (the first omitted term is
