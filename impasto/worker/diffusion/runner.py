@@ -222,9 +222,9 @@ class DiffusionModelRunner(ModelRunner):
             if len(going) < len(results):  # some converged: only the others need theirs
                 probs = torch.cat([results[k].probs for k in going])
             soft = self.model.soft_embeddings(probs)  # [sum valid of going, H]
-            soft_parts = soft.split([results[k].probs.shape[0] for k in going])
+            soft_parts = iter(soft.split([results[k].probs.shape[0] for k in going]))
         out = []
-        for k, (state, res) in enumerate(zip(states, results, strict=True)):
+        for state, res in zip(states, results, strict=True):
             canvas: CanvasState = state.extra["canvas"]
             valid = res.probs.shape[0]
             self.stats.denoising_steps += 1
@@ -237,6 +237,6 @@ class DiffusionModelRunner(ModelRunner):
                 out.append(res.argmax.tolist())
             else:
                 canvas.tokens = res.canvas
-                canvas.soft = soft_parts[going.index(k)]
+                canvas.soft = next(soft_parts)  # the going canvases, in order
                 out.append(res.canvas.tolist())
         return out
