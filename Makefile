@@ -15,6 +15,9 @@ run: install
 lint:
 	$(PY) -m ruff check impasto tests benchmarks
 	$(PY) -m ruff format --check impasto tests benchmarks
+	# the layering (pyproject.toml [tool.importlinter]) and the types of the core layers
+	$(PY) -c "from importlinter.cli import lint_imports_command; lint_imports_command()"
+	$(PY) -m mypy
 
 test: install lint
 	$(PY) -m pytest -q -p no:cacheprovider

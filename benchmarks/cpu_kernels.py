@@ -75,7 +75,7 @@ def main() -> None:
         x, r = torch.randn(rows, HIDDEN).to(bf), torch.randn(rows, HIDDEN).to(bf)
         norm = RMSNorm(HIDDEN, 1e-5).to(bf)
         te = best(lambda x=x, r=r, n=norm: n(x, r))
-        norm.fused_ops = ops
+        norm.use_kernels(ops)
         tk = best(lambda x=x, r=r, n=norm: n(x, r))
         row(f"add + rms_norm x{rows}", te, tk)
         gu = torch.randn(rows, 2 * INTER).to(bf)
@@ -86,7 +86,7 @@ def main() -> None:
         qk = torch.randn(rows, 15, 64).to(bf)
         cs = rope.cos_sin(torch.arange(rows), bf)
         te = best(lambda qk=qk, cs=cs, rope=rope: rope(qk, cs))
-        rope.fused_ops = ops
+        rope.use_kernels(ops)
         tk = best(lambda qk=qk, cs=cs, rope=rope: rope(qk, cs, inplace=True))
         row(f"rotary q+k x{rows}", te, tk)
 

@@ -1,30 +1,41 @@
 """`SamplingParams`: vLLM's field names and validation, pure Python.
 
-Every invalid value raises `ValueError` naming the parameter, at construction, so a bad request
-is refused at admission and never reaches the step loop.
+Every invalid value raises `InvalidParameterError` naming the parameter, at construction, so a
+bad request is refused at admission and never reaches the step loop. Checks that need the model
+(token ids within the vocabulary, words to token ids) are `verify_for_model` and
+`update_from_tokenizer`, run once by the admission path (`engine/processor.py`).
+
+It is a msgspec `Struct`: it crosses the API / engine process boundary as it is, typed, once.
+Adding a sampling parameter means a field and its check here and its effect in the sampler:
+the OpenAI layer passes every user field of this struct through (`from_fields`), and model kinds
+that cannot honour a parameter refuse any non-default value of it (`non_default_fields`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Mapping
 from enum import IntEnum
+from typing import Any, cast
+
+import msgspec
+
+from impasto.errors import InvalidParameterError
 
 _GREEDY_EPS = 1e-5
 
 
-def _bad(param: str, msg: str) -> ValueError:
-    err = ValueError(f"{param} {msg}")
-    err.param = param  # type: ignore[attr-defined]
-    return err
+def _bad(param: str, msg: str) -> InvalidParameterError:
+    return InvalidParameterError(param, f"{param} {msg}")
 
 
-def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+def _normalize_logit_bias(bias: object) -> dict[int | str, float] | None:
     """OpenAI clients send JSON, whose keys are strings: accept "123" as token id 123."""
     if bias is None:
         return None
     if not isinstance(bias, dict):
         raise _bad("logit_bias", f"must be a dict of token id -> bias, got {bias!r}.")
-    out: dict[int, float] = {}
+    out: dict[int | str, float] = {}  # int keys only, typed as the field is
     for key, value in bias.items():
         if isinstance(key, bool):
             key = None
@@ -44,8 +55,7 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,11 +75,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None
+    # JSON keys are strings: "123" is accepted as token id 123 (normalised to int).
+    logit_bias: dict[int | str, float] | None = None
     detokenize: bool = True
-    # Filled in by the engine from the tokenizer / generation config, not by users.
-    eos_token_id: int | None = field(default=None, repr=False)
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the engine from the tokenizer / generation config, not by users
+    # (`ENGINE_FIELDS`).
+    eos_token_id: int | None = None
+    all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,7 +105,9 @@ class SamplingParams:
             # Greedy: the other random-sampling knobs have no effect; normalise them so
             # batches can take the exact-argmax path.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        # A union, not an assignment: decoding in the engine process runs this again, after the
+        # engine filled in the model's stop ids.
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     # -- validation ---------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -163,8 +177,8 @@ class SamplingParams:
             raise bad("detokenize", f"must be a bool, got {self.detokenize!r}.")
         if self.stop and not self.detokenize:
             raise bad("stop", "strings are only supported when detokenize is True.")
-        if self.logit_bias is not None:
-            for k, v in self.logit_bias.items():
+        if self.logit_bias_ids is not None:
+            for k, v in self.logit_bias_ids.items():
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or k < 0:
                     raise bad("logit_bias", "must map token ids (int >= 0) to biases (float).")
                 if not -100.0 <= v <= 100.0:
@@ -178,6 +192,11 @@ class SamplingParams:
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys as token ids (normalised at construction)."""
+        return cast("dict[int, float] | None", self.logit_bias)
+
+    @property
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
 
@@ -189,13 +208,59 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
-    def update_from_tokenizer(self, eos_token_id: int | None, extra_stop_ids: set[int]) -> None:
-        """Set the EOS id, and (unless ignore_eos) the model's other end-of-turn ids as stops."""
+    def update_from_tokenizer(
+        self, tokenizer: Any | None, eos_token_id: int | None, extra_stop_ids: set[int]
+    ) -> None:
+        """Fill in what depends on the model (run once, at admission): the EOS id, the model's
+        other end-of-turn ids as stops (unless ignore_eos), and anything given as text that
+        the sampler needs as token ids (`tokenizer` is None with skip_tokenizer_init)."""
         self.eos_token_id = eos_token_id
         if not self.ignore_eos:
             self.all_stop_token_ids = set(self.stop_token_ids or []) | set(extra_stop_ids)
 
     def clone(self) -> SamplingParams:
-        import copy
-
         return copy.deepcopy(self)
+
+    # -- admission ------------------------------------------------------------------------------
+    @classmethod
+    def user_fields(cls) -> tuple[str, ...]:
+        """The fields a request may set (everything but what the engine fills in)."""
+        return tuple(f for f in cls.__struct_fields__ if f not in ENGINE_FIELDS)
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """Build from JSON-shaped values (an HTTP body), with type checks: a value of the wrong
+        type is an `InvalidParameterError` naming its field, like any other bad value."""
+        unknown = sorted(set(values) - set(cls.user_fields()))
+        if unknown:
+            raise _bad(unknown[0], "is not a sampling parameter.")
+        try:
+            return msgspec.convert(dict(values), cls, strict=True)
+        except msgspec.ValidationError as e:
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, InvalidParameterError):  # raised by __post_init__
+                raise cause from None
+            message = str(e)
+            where = message.partition("`$.")[2]  # "... - at `$.top_k`" names the field
+            param = where.split("`")[0].split(".")[0].split("[")[0] or None
+            raise InvalidParameterError(param, f"{param}: {message}") from None
+
+    def non_default_fields(self) -> list[str]:
+        """User fields whose value differs from the default (what a restricted model kind must
+        refuse unless it supports them)."""
+        default = _DEFAULT
+        return [f for f in self.user_fields() if getattr(self, f) != getattr(default, f)]
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """Checks that need the model: every token id a parameter names is in the vocabulary."""
+        bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise _bad("stop_token_ids", f"contains token id(s) {bad} out of vocabulary.")
+        for key in self.logit_bias_ids or {}:
+            if key >= vocab_size:
+                raise _bad("logit_bias", f"token id {key} is out of vocabulary.")
+
+
+# What the engine fills in; never taken from a request.
+ENGINE_FIELDS = frozenset({"eos_token_id", "all_stop_token_ids"})
+_DEFAULT = SamplingParams()

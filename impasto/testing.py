@@ -9,7 +9,7 @@ sched.update_from_output(out, runner_output({"0": [100]}, spec={"0": [1, 2, 3]})
 
 from __future__ import annotations
 
-from impasto.core.config import SchedulerConfig
+from impasto.config.scheduler import SchedulerConfig
 from impasto.core.outputs import ModelRunnerOutput
 from impasto.core.request import Request
 from impasto.core.scheduler import Scheduler

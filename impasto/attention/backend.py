@@ -1,6 +1,11 @@
-"""The attention backend interface: one call per attention layer per step.
+"""The attention backend interface: a plan per step, then one call per attention layer.
 
-A backend gets the step's projected queries/keys/values for the whole flattened batch, writes
+The runner asks the step's backend for a plan once per forward (`build_plan`), and scopes both
+with `forward_context`; every attention layer then calls `forward` with that plan, so whatever
+a backend derives from the metadata (request grouping, masks, index tensors) is computed once
+per step and shared by all layers. Models never name a backend (see `registry.py`).
+
+`forward` gets the step's projected queries/keys/values for the whole flattened batch, writes
 the new keys/values into the layer's paged KV cache, and returns the attention output.
 Semantics (per request b, see `metadata.py`):
 
@@ -13,19 +18,46 @@ Semantics (per request b, see `metadata.py`):
 - `sliding_window` w: a query at position p sees keys at positions kp with `p - kp < w`
   (non-causal queries: `|p - kp| < w`);
 - `logit_softcap` c: scores become `c * tanh(scores / c)` before masking and softmax.
+
+Invariant: a plan is only valid for the metadata it was built from, and is never cached
+across forwards (a step's metadata may be edited before its plan is built, never after).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
 
 import torch
 
 from impasto.attention.metadata import AttentionMetadata
 
 
-class AttentionBackend(ABC):
+class AttentionPlan:
+    """What a backend derives once from one step's metadata; the base every plan extends."""
+
+    def fused_short_queries(
+        self, kv_cache: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """Whether the fused CPU paged attention (the kernels' `paged_attention`: cache write +
+        attention of every request in one call) takes this step's attention for a cache like
+        `kv_cache` and queries of `dtype`: if so, the [B] bool causal flags it takes, else None.
+
+        The whole-stack decode path (`kernels/decoder_stack.py`, which chains that kernel) asks
+        the same question, so both take a step or neither does. Default: None (a backend
+        without that kernel)."""
+        return None
+
+
+PlanT = TypeVar("PlanT", bound=AttentionPlan)
+
+
+class AttentionBackend(ABC, Generic[PlanT]):
     name: str = "abstract"
+
+    @abstractmethod
+    def build_plan(self, metadata: AttentionMetadata) -> PlanT:
+        """The step's plan: called once per forward, after the metadata's last edit."""
 
     @abstractmethod
     def forward(
@@ -34,24 +66,11 @@ class AttentionBackend(ABC):
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
+        metadata: AttentionMetadata,
+        plan: PlanT,  # `build_plan(metadata)`
         *,
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq * D]
-        """Write k/v into `kv_cache` at `meta.slot_mapping` (slots >= 0) and attend."""
-
-
-_BACKENDS: dict[str, AttentionBackend] = {}
-
-
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Return the process-wide instance of a backend (instances keep per-step plan caches)."""
-    if name not in _BACKENDS:
-        if name != "torch":
-            raise ValueError(f"unknown attention backend {name!r}; supported: ['torch']")
-        from impasto.attention.torch_backend import TorchAttentionBackend
-
-        _BACKENDS[name] = TorchAttentionBackend()
-    return _BACKENDS[name]
+        """Write k/v into `kv_cache` at `metadata.slot_mapping` (slots >= 0) and attend."""

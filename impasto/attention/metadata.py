@@ -4,6 +4,10 @@ The batch is flattened: the T query tokens of B requests are concatenated in req
 KV cache of one layer: a tensor `[2, num_blocks, block_size, num_kv_heads, head_size]`
 (index 0 = keys, 1 = values). Token at position p of a request lives in slot
 `block_table[b, p // block_size] * block_size + p % block_size`.
+
+The forward context carries, for one forward, the metadata, the KV caches, the attention
+backend and the plan that backend built from this metadata; attention layers read all four
+from it, so a model never holds or names a backend.
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from impasto.attention.backend import AttentionBackend, AttentionPlan
 
 
 @dataclass(slots=True)
@@ -43,17 +51,25 @@ class AttentionMetadata:
 class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per attention layer, indexed by layer_idx
+    backend: AttentionBackend[Any]
+    plan: AttentionPlan  # backend.build_plan(metadata)
 
 
 _CURRENT: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> Iterator[None]:
-    """Make the step's metadata and caches visible to attention layers for one forward."""
+def forward_context(
+    metadata: AttentionMetadata,
+    kv_caches: list[torch.Tensor],
+    backend: AttentionBackend[Any],
+    plan: AttentionPlan,
+) -> Iterator[None]:
+    """Make the step's metadata, caches, backend and plan (built by the caller from this
+    metadata) visible to attention layers for one forward."""
     global _CURRENT
     previous = _CURRENT
-    _CURRENT = ForwardContext(metadata, kv_caches)
+    _CURRENT = ForwardContext(metadata, kv_caches, backend, plan)
     try:
         yield
     finally:

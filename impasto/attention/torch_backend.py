@@ -7,6 +7,9 @@ Per layer: write the step's k/v into the paged cache, then
   fp32 softmax, P @ V by `embedding_bag` over the cache's value rows (values never copied);
 - other requests: one SDPA each over the cached prefix and the new keys.
 
+Steps where every request is a short, cache-writing query go to the fused CPU kernel instead
+(one call per layer for the cache write and attention) when the plan says it takes them.
+
 Invariant: the cache is written *before* it is read, so for requests whose slots are all
 written the gathered context already holds this step's keys (bit-identical to `k`/`v` when the
 cache has the model dtype). Requests with any slot -1 never read their new keys from the cache.
@@ -14,14 +17,12 @@ cache has the model dtype). Requests with any slot -1 never read their new keys 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
 from impasto import kernels
 from impasto.attention.backend import AttentionBackend
-from impasto.attention.metadata import AttentionMetadata, get_forward_context
+from impasto.attention.metadata import AttentionMetadata
 from impasto.attention.torch_plan import SHORT_QUERY_MAX, Group, Long, Plan, build_plan
 
 __all__ = ["SHORT_QUERY_MAX", "TorchAttentionBackend", "sdpa"]
@@ -54,7 +55,7 @@ def sdpa(
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(AttentionBackend[Plan]):
     name = "torch"
 
     def __init__(self, short_path: str = "auto") -> None:
@@ -63,29 +64,12 @@ class TorchAttentionBackend(AttentionBackend):
         if short_path not in ("auto", "sdpa", "bag"):
             raise ValueError(f"short_path must be 'auto', 'sdpa' or 'bag', not {short_path!r}")
         self.short_path = short_path
-        self._key: tuple[object, object] | None = None
-        self._plan: Plan | None = None
 
-    def plan(self, meta: AttentionMetadata) -> Plan:
-        """The step's plan, built once per forward_context and reused by every layer."""
-        try:
-            fc = get_forward_context()
-        except RuntimeError:
-            return build_plan(meta)  # called bare (tests): no caching
-        if self._key is None or self._key[0] is not fc or self._key[1] is not meta:
-            self._key, self._plan = (fc, meta), build_plan(meta)
-        assert self._plan is not None
-        return self._plan
-
-    def fused_kernel(self, p: Plan, kv_cache: torch.Tensor, dtype: torch.dtype) -> Any:
-        """The kernel ops when the fused paged attention takes this step (every request a
-        short, cache-writing query; a bf16 CPU cache; queries of the cache's dtype), else None.
-        The decoder stack (models/fused_stack.py) asks the same question."""
-        if not p.all_short or self.short_path != "auto" or kv_cache.dtype != torch.bfloat16:
-            return None
-        if kv_cache.device.type != "cpu" or dtype != kv_cache.dtype:
-            return None
-        return kernels.ops()
+    def build_plan(self, metadata: AttentionMetadata) -> Plan:
+        plan = build_plan(metadata)
+        if plan.all_short and self.short_path == "auto":
+            plan.fused_ops = kernels.ops()  # None when the kernels are not loaded
+        return plan
 
     def forward(
         self,
@@ -93,35 +77,37 @@ class TorchAttentionBackend(AttentionBackend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        metadata: AttentionMetadata,
+        plan: Plan,
         *,
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
-        p = self.plan(meta)
-        ops = self.fused_kernel(p, kv_cache, q.dtype)
-        if ops is not None:  # one fused call: cache write + attention for every request
-            return ops.paged_attention(
-                q, k, v, kv_cache, meta.slot_mapping, meta.block_table,
-                meta.query_start_loc, meta.seq_lens_t, p.causal_t,
+        causal = plan.fused_short_queries(kv_cache, q.dtype)
+        if causal is not None:  # one fused call: cache write + attention for every request
+            return plan.fused_ops.paged_attention(
+                q, k, v, kv_cache, metadata.slot_mapping, metadata.block_table,
+                metadata.query_start_loc, metadata.seq_lens_t, causal,
                 scale, sliding_window or 0, logit_softcap or 0.0,
             )  # fmt: skip
         _, num_blocks, bs, hkv, d = kv_cache.shape
-        if p.write_slots is not None:  # write first: short and written requests read it back
+        if plan.write_slots is not None:  # write first: short and written requests read it back
             flat = kv_cache.view(2, num_blocks * bs, hkv, d)
-            kw, vw = (k, v) if p.write_rows is None else (k[p.write_rows], v[p.write_rows])
+            kw, vw = (k, v) if plan.write_rows is None else (k[plan.write_rows], v[plan.write_rows])
             if kw.dtype != kv_cache.dtype:
                 kw, vw = kw.to(kv_cache.dtype), vw.to(kv_cache.dtype)
-            flat[0].index_copy_(0, p.write_slots, kw)
-            flat[1].index_copy_(0, p.write_slots, vw)
-        if len(p.groups) == 1 and p.groups[0].tok_rows is None:  # one group, rows in order
-            return self._group(p, p.groups[0], q, kv_cache, scale, sliding_window, logit_softcap)
+            flat[0].index_copy_(0, plan.write_slots, kw)
+            flat[1].index_copy_(0, plan.write_slots, vw)
+        if len(plan.groups) == 1 and plan.groups[0].tok_rows is None:  # one group, rows in order
+            return self._group(
+                plan, plan.groups[0], q, kv_cache, scale, sliding_window, logit_softcap
+            )
         out = q.new_empty(q.shape[0], q.shape[1] * d)
-        for g in p.groups:
-            o = self._group(p, g, q, kv_cache, scale, sliding_window, logit_softcap)
+        for g in plan.groups:
+            o = self._group(plan, g, q, kv_cache, scale, sliding_window, logit_softcap)
             out.index_copy_(0, g.tok_rows, o.index_select(0, g.pad_rows))
-        for r in p.longs:
+        for r in plan.longs:
             rows = slice(r.start, r.start + r.qlen)
             out[rows] = self._long(
                 r, q[rows], k[rows], v[rows], kv_cache, scale, sliding_window, logit_softcap

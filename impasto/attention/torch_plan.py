@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from impasto.attention.backend import AttentionPlan
 from impasto.attention.metadata import AttentionMetadata
 
 SHORT_QUERY_MAX = 16
@@ -147,7 +149,7 @@ class Long:
 
 
 @dataclass
-class Plan:
+class Plan(AttentionPlan):
     write_slots: torch.Tensor | None  # [W] cache slots to write; None = nothing to write
     write_rows: torch.Tensor | None  # [W] token rows written; None = all rows
     build_groups: Callable[[], list[Group]]
@@ -156,8 +158,22 @@ class Plan:
     # the fused kernel can take the whole step. causal_t: [B] bool, set only then.
     all_short: bool = False
     causal_t: torch.Tensor | None = None
+    # The kernel ops, set by the backend when the fused paged attention may take this step
+    # (all_short, its short path "auto", the kernels loaded); the cache's dtype and device
+    # are checked per layer (`fused_short_queries`).
+    fused_ops: Any = None
     workspace: dict = field(default_factory=dict)
     _groups: list[Group] | None = None
+
+    def fused_short_queries(
+        self, kv_cache: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """See AttentionPlan: a bf16 CPU cache and queries of the cache's dtype."""
+        if self.fused_ops is None or kv_cache.dtype != torch.bfloat16:
+            return None
+        if kv_cache.device.type != "cpu" or dtype != kv_cache.dtype:
+            return None
+        return self.causal_t
 
     @property
     def groups(self) -> list[Group]:

@@ -1,6 +1,6 @@
 """The engine core: requests, the paged KV-cache manager and the scheduler. Pure Python."""
 
-from impasto.core.config import SchedulerConfig
+from impasto.config.scheduler import SchedulerConfig
 from impasto.core.kv_cache_manager import KVCacheManager
 from impasto.core.outputs import (
     CachedRequestData,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from impasto.core.config import SchedulerConfig
+from impasto.config.scheduler import SchedulerConfig
 from impasto.core.kv_cache_manager import KVCacheManager
 from impasto.core.outputs import (
     CachedRequestData,

@@ -24,9 +24,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from impasto.config.engine_args import EngineArgs
+from impasto.config.model import ModelConfig
 from impasto.engine import ipc
-from impasto.engine.args import EngineArgs
 from impasto.engine.engine_process import run_engine_process
+from impasto.engine.processor import EngineRequest
 
 logger = logging.getLogger("impasto")
 
@@ -75,9 +77,7 @@ class AsyncEngineClient:
         self.log_level = log_level
         self.errored = False
         self.dead_reason = ""
-        self.max_model_len = 0
-        self.vocab_size = 0
-        self.model_path = ""
+        self.model_config: ModelConfig | None = None  # from the engine's Ready message
         self.engine_pid: int | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._utility: dict[int, asyncio.Future] = {}
@@ -126,18 +126,19 @@ class AsyncEngineClient:
             elif time.monotonic() > deadline:
                 await self.shutdown()
                 raise RuntimeError(f"the engine did not start within {timeout_s:.0f} s")
-        self.max_model_len, self.vocab_size = msg.max_model_len, msg.vocab_size
-        self.model_path = msg.model_path
+        self.model_config = msg.model
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
         self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-outputs"))
 
     def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        proc = self._proc
+        assert proc is not None  # the reader is added once the process runs
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
         if self._closed:
             return
-        self._proc.join(0)
-        self._mark_dead(f"exit code {self._proc.exitcode}")
+        proc.join(0)
+        self._mark_dead(f"exit code {proc.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
         if self.errored:
@@ -209,21 +210,28 @@ class AsyncEngineClient:
             raise EngineDeadError(f"cannot reach the engine: {e}") from e
 
     # -- requests -----------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        prompt: str | None,
-        params: dict[str, Any],
-        priority: int = 0,
-    ) -> AsyncIterator[ipc.RequestDelta]:
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len if self.model_config else 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size if self.model_config else 0
+
+    @property
+    def model_path(self) -> str:
+        return self.model_config.model_path if self.model_config else ""
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[ipc.RequestDelta]:
+        """Stream the deltas of an admitted request until it finishes."""
+        request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use.")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         finished = False
         try:
-            self._send(ipc.AddRequest(request_id, prompt_token_ids, prompt, params, priority))
+            self._send(ipc.AddRequest(request))
             while not finished:
                 items = [await q.get()]
                 while not q.empty():

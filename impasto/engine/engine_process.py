@@ -5,9 +5,8 @@ Invariants:
   that raises fails the requests in flight (500) and the loop goes on.
 - Every request the loop accepted gets exactly one terminal message (a delta with `finished`,
   or an error), unless the API process aborted it first.
-- Streamed text never contains a partial stop string: until a completion finishes, the tail of
-  its text that is a proper prefix of one of its stop strings is held back (the detokenizer may
-  still cut the text there).
+- Requests arrive admitted (`EngineRequest`): nothing is re-tokenized or re-validated here;
+  the engine's deltas are forwarded as they are (`ipc.to_wire`), no diffing.
 - The process exits when told to (after draining), or when its parent process is gone.
 """
 
@@ -17,14 +16,12 @@ import logging
 import os
 import signal
 import traceback
-from dataclasses import dataclass, field
 
 import zmq
 
+from impasto.config.engine_args import EngineArgs
 from impasto.engine import ipc
-from impasto.engine.args import EngineArgs
-from impasto.outputs import RequestOutput
-from impasto.sampling_params import SamplingParams
+from impasto.errors import InvalidParameterError
 
 logger = logging.getLogger("impasto")
 
@@ -32,79 +29,12 @@ _IDLE_POLL_MS = 500  # how often an idle loop checks that its parent is alive
 _TERM = {"requested": False}  # set by SIGTERM: drain like a Shutdown message
 
 
-def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    held = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
-                break
-    return held
-
-
-@dataclass
-class StreamState:
-    """What was already sent for one request, per completion index."""
-
-    stops: list[str]
-    n: int
-    sent_chars: list[int] = field(default_factory=list)
-    sent_tokens: list[int] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.sent_chars = [0] * self.n
-        self.sent_tokens = [0] * self.n
-        self.done = [False] * self.n
-
-
-def _logprob_entries(position: dict) -> list[ipc.LogprobEntry]:
-    entries = [(t, lp.logprob, lp.rank or 0, lp.decoded_token) for t, lp in position.items()]
-    return sorted(entries, key=lambda e: e[2])
-
-
-def make_delta(out: RequestOutput, st: StreamState) -> ipc.RequestDelta:
-    """The part of a cumulative `RequestOutput` not sent yet (updates `st`)."""
-    comps = []
-    for c in out.outputs:
-        i = c.index
-        finished = c.finish_reason is not None
-        end = len(c.text) if finished else len(c.text) - held_back(c.text, st.stops)
-        text = c.text[st.sent_chars[i] : end] if end > st.sent_chars[i] else ""
-        st.sent_chars[i] = max(st.sent_chars[i], end)
-        start = st.sent_tokens[i]
-        tokens = c.token_ids[start:]
-        st.sent_tokens[i] = len(c.token_ids)
-        newly_done = finished and not st.done[i]
-        st.done[i] = finished
-        if not text and not tokens and not newly_done:
-            continue
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = [_logprob_entries(p) for p in c.logprobs[start:]]
-        comps.append(
-            ipc.CompletionDelta(
-                index=i,
-                text=text,
-                token_ids=tokens,
-                logprobs=logprobs,
-                cumulative_logprob=c.cumulative_logprob,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-        )
-    return ipc.RequestDelta(
-        out.request_id, comps, out.finished, len(out.prompt_token_ids), out.num_cached_tokens
-    )
-
-
 class EngineLoop:
     def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
         self.engine = engine
         self.pull, self.push = pull, push
         self.parent_pid = parent_pid
-        self.streams: dict[str, StreamState] = {}
+        self.streams: set[str] = set()  # requests accepted and not finished or aborted
         self.errors: list[ipc.RequestError] = []
         self.draining = False
 
@@ -151,25 +81,24 @@ class EngineLoop:
                 self.draining = True
 
     def _add(self, msg: ipc.AddRequest) -> None:
+        rid = msg.request.request_id
         if self.draining:
-            self.errors.append(ipc.RequestError(msg.request_id, "the engine is shutting down", 503))
+            self.errors.append(ipc.RequestError(rid, "the engine is shutting down", 503))
             return
         try:
-            params = SamplingParams(**msg.params)
-            prompt = {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids}
-            self.engine.add_request(msg.request_id, prompt, params, priority=msg.priority)
-        except (ValueError, TypeError) as e:
-            param = getattr(e, "param", None)
-            self.errors.append(ipc.RequestError(msg.request_id, str(e), 400, param))
+            self.engine.add_engine_request(msg.request)
+        except InvalidParameterError as e:  # e.g. a request id already in use
+            self.errors.append(ipc.RequestError(rid, str(e), 400, e.param))
             return
         except Exception as e:  # noqa: BLE001 - an engine bug refuses this request only
             logger.error("engine: add_request failed\n%s", traceback.format_exc())
-            self.errors.append(ipc.RequestError(msg.request_id, f"{type(e).__name__}: {e}", 500))
+            self.errors.append(ipc.RequestError(rid, f"{type(e).__name__}: {e}", 500))
             return
-        self.streams[msg.request_id] = StreamState(list(params.stop or []), params.n)
+        self.streams.add(rid)
 
     def _abort(self, request_ids: list[str]) -> None:
-        known = [rid for rid in request_ids if self.streams.pop(rid, None) is not None]
+        known = [rid for rid in request_ids if rid in self.streams]
+        self.streams.difference_update(known)
         if known:
             try:
                 self.engine.abort_request(known)
@@ -205,12 +134,11 @@ class EngineLoop:
             return []
         deltas = []
         for out in outputs:
-            st = self.streams.get(out.request_id)
-            if st is None:  # aborted by the API process meanwhile
+            if out.request_id not in self.streams:  # aborted by the API process meanwhile
                 continue
-            deltas.append(make_delta(out, st))
+            deltas.append(ipc.to_wire(out))
             if out.finished:
-                del self.streams[out.request_id]
+                self.streams.discard(out.request_id)
         return deltas
 
     def _fail_all(self, message: str) -> None:
@@ -249,7 +177,7 @@ def run_engine_process(
         push.close()
         ctx.term()
         return
-    ready = ipc.Ready(os.getpid(), engine.max_model_len, engine.vocab_size, str(engine.model_path))
+    ready = ipc.Ready(os.getpid(), engine.config.model)
     push.send(ipc.encode(ready))
     EngineLoop(engine, pull, push, parent_pid).run()
     pull.close()

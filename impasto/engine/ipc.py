@@ -1,9 +1,11 @@
 """Messages between the API process and the engine process (msgspec, msgpack over ZMQ).
 
 Two one-way channels: the API process PUSHes `EngineInput` messages, the engine process PUSHes
-`EngineOutput` messages back. Outputs are *deltas*: each `CompletionDelta` carries only the text,
-token ids and logprobs produced since the previous message for that completion, so a long
-generation costs O(tokens) on the wire, not O(tokens^2).
+`EngineOutput` messages back. A request crosses once, typed, after admission in the API process
+(`AddRequest.request` is the `EngineRequest` the admission path produced). Outputs are the
+engine's own *deltas*: each `CompletionDelta` carries only the text, token ids and logprobs
+produced since the previous message for that completion, so a long generation costs O(tokens)
+on the wire, not O(tokens^2).
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from typing import Any
 
 import msgspec
 
+from impasto.config.model import ModelConfig
+from impasto.engine.processor import EngineRequest
+from impasto.outputs import RequestOutput
+
 # One logprob entry: (token_id, logprob, rank, decoded_token); entries of a position are sorted
 # by rank, the sampled token included (it may rank below the top-k).
 LogprobEntry = tuple[int, float, int, str | None]
@@ -19,11 +25,7 @@ LogprobEntry = tuple[int, float, int, str | None]
 
 # -- API process -> engine process -----------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: dict[str, Any]  # SamplingParams keyword arguments, already validated by the API
-    priority: int = 0
+    request: EngineRequest  # admitted by the API process: the engine process re-checks nothing
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -82,9 +84,7 @@ class UtilityResult(msgspec.Struct, tag=True):
 
 class Ready(msgspec.Struct, tag=True):
     pid: int
-    max_model_len: int
-    vocab_size: int
-    model_path: str
+    model: ModelConfig  # what the API process's admission path checks requests against
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -92,6 +92,31 @@ class StartupFailed(msgspec.Struct, tag=True):
 
 
 EngineOutput = Outputs | UtilityResult | Ready | StartupFailed
+
+
+def to_wire(out: RequestOutput) -> RequestDelta:
+    """An engine delta as a message (logprob entries of a position sorted by rank)."""
+    comps = [
+        CompletionDelta(
+            index=c.index,
+            text=c.text,
+            token_ids=c.token_ids,
+            logprobs=None if c.logprobs is None else [_entries(p) for p in c.logprobs],
+            cumulative_logprob=c.cumulative_logprob,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    return RequestDelta(
+        out.request_id, comps, out.finished, len(out.prompt_token_ids), out.num_cached_tokens
+    )
+
+
+def _entries(position: dict) -> list[LogprobEntry]:
+    entries = [(t, lp.logprob, lp.rank or 0, lp.decoded_token) for t, lp in position.items()]
+    return sorted(entries, key=lambda e: e[2])
+
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from impasto.core.outputs import SchedulerStats
@@ -51,6 +52,11 @@ class EngineMetrics:
     def inc(self, name: str, value: float = 1.0) -> None:
         self.counters[name] += value
 
+    def add_counters(self, increments: Mapping[str, float]) -> None:
+        """Counter increments reported by the runner (e.g. the diffusion canvas counters)."""
+        for name, value in increments.items():
+            self.counters[name] += value
+
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         c, g = self.counters, self.gauges
         g["impasto:num_requests_running"] = stats.num_running_reqs
@@ -75,14 +81,6 @@ class EngineMetrics:
             if i == len(per_pos):
                 per_pos.append(0)
             per_pos[i] += n
-
-    def observe_diffusion(self, stats) -> None:
-        """Canvas counters of a `DiffusionStats` (tokens per forward = committed / steps)."""
-        c = self.counters
-        c["impasto:diffusion_denoising_steps"] += stats.denoising_steps
-        c["impasto:diffusion_canvas_positions"] += stats.canvas_positions
-        c["impasto:diffusion_canvases_committed"] += stats.canvases_committed
-        c["impasto:diffusion_committed_tokens"] += stats.committed_tokens
 
     def snapshot(self) -> list[Metric]:
         out = [Metric(k, v, "counter", _COUNTERS[k]) for k, v in self.counters.items()]

@@ -10,11 +10,17 @@ from typing import Any
 
 import torch
 
-from impasto import kernels
-from impasto.core.config import SchedulerConfig
-from impasto.engine.args import DEFAULT_KV_CACHE_BYTES, EngineArgs
-from impasto.engine.diffusion_config import DiffusionConfig
-from impasto.engine.spec_config import SpeculativeConfig, check_draft_compat, check_target_compat
+from impasto.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    DiffusionConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from impasto.config.speculative import check_draft_compat, check_target_compat
+from impasto.errors import InvalidParameterError
 from impasto.loader.default_model import resolve_model
 from impasto.loader.gguf_loader import release_gguf_readers
 from impasto.loader.model_loader import load_config, load_model
@@ -24,7 +30,8 @@ from impasto.loader.tokenizer import (
     is_gguf_file,
     load_tokenizer,
 )
-from impasto.models.layers.packed import prepack_linear_weights
+from impasto.models.interface import CausalLM, DiffusionLM
+from impasto.worker.device_prep import prepare_for_device
 from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.kv_cache import kv_cache_bytes_per_block
 from impasto.worker.model_runner import ModelRunner
@@ -42,15 +49,11 @@ _DTYPES = {
 
 @dataclass
 class EngineComponents:
+    config: EngineConfig
     model_path: Path
     hf_config: Any
     tokenizer: Any
-    eos_token_id: int | None
-    extra_stop_ids: set[int]
-    vocab_size: int
-    scheduler_config: SchedulerConfig
     runner: ModelRunner
-    speculative_config: SpeculativeConfig | None = None
 
 
 def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
@@ -64,33 +67,33 @@ def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
     return torch.bfloat16
 
 
-def prepare_for_device(model: torch.nn.Module) -> torch.nn.Module:
-    """CPU bf16 only (a no-op elsewhere): pack linear weights for oneDNN where the CPU supports
-    it, then point the remaining layers at the fused kernels. Order matters: packed layers keep
-    oneDNN, the others get the kernels' GEMM."""
-    prepack_linear_weights(model)
-    kernels.install(model)
-    return model
-
-
 def build_components(args: EngineArgs) -> EngineComponents:
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    parallel = args.parallel_config()
+    if parallel.num_threads:
+        torch.set_num_threads(parallel.num_threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     path = resolve_model(args.model)
     gguf = is_gguf_file(path)
     config = load_config(path)
     dtype = resolve_dtype(args.dtype, config, gguf)
-    model = prepare_for_device(load_model(path, config, dtype).to(device))
+    loaded = prepare_for_device(load_model(path, config, dtype).to(device))
+    if not isinstance(loaded, CausalLM):
+        raise TypeError(f"{type(loaded).__name__} does not implement impasto's model interface")
+    model: CausalLM = loaded
     dcfg, limits = None, config  # limits: the config holding ids, vocab and max positions
-    if getattr(model, "is_diffusion", False):
+    if model.is_diffusion:
         dcfg = DiffusionConfig.resolve(args.diffusion_config, config, path)
         limits = getattr(config, "text_config", None) or config
         if args.speculative_config is not None:
-            raise ValueError("speculative_config cannot be used with a diffusion model.")
+            raise InvalidParameterError(
+                "speculative_config", "speculative_config cannot be used with a diffusion model."
+            )
     elif args.diffusion_config is not None:
-        raise ValueError(f"diffusion_config was given, but {path.name} is not a diffusion model.")
+        raise InvalidParameterError(
+            "diffusion_config",
+            f"diffusion_config was given, but {path.name} is not a diffusion model.",
+        )
 
     tokenizer = None
     if not args.skip_tokenizer_init:
@@ -101,14 +104,14 @@ def build_components(args: EngineArgs) -> EngineComponents:
     max_pos = getattr(limits, "max_position_embeddings", None) or 2048
     max_model_len = args.max_model_len or max_pos
     if max_model_len > max_pos:
-        raise ValueError(
+        raise InvalidParameterError(
+            "max_model_len",
             f"max_model_len ({max_model_len}) is larger than the model's maximum "
-            f"({max_pos} positions)."
+            f"({max_pos} positions).",
         )
-    spec = None
+    spec = args.speculative
     draft = None
-    if args.speculative_config is not None:
-        spec = SpeculativeConfig.from_dict(args.speculative_config)
+    if spec is not None:
         check_target_compat(
             spec, diffusion=args.diffusion_config is not None, max_model_len=max_model_len
         )
@@ -126,10 +129,11 @@ def build_components(args: EngineArgs) -> EngineComponents:
         # No use holding more than every sequence at full length (+ the null block).
         num_blocks = min(num_blocks, args.max_num_seqs * -(-max_model_len // bs) + 1)
     if (num_blocks - 1) * bs < max_model_len:
-        raise ValueError(
+        raise InvalidParameterError(
+            "kv_cache_memory_bytes",
             f"The KV cache ({num_blocks} blocks of {bs} tokens, {per_block} bytes each) cannot "
             f"hold one sequence of max_model_len={max_model_len} tokens. Increase "
-            "kv_cache_memory_bytes / num_gpu_blocks_override or decrease max_model_len."
+            "kv_cache_memory_bytes / num_gpu_blocks_override or decrease max_model_len.",
         )
     batched = args.max_num_batched_tokens or (4096 if args.enable_chunked_prefill else 0)
     if not args.enable_chunked_prefill:
@@ -148,7 +152,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
         num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
         uniform_spec_decode_padding=bool(spec and spec.uniform_spec_decode_padding),
     )
-    runner_cls, extra = ModelRunner, {}
+    runner: ModelRunner
     if dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step
         sched_config = dataclasses.replace(
             sched_config,
@@ -156,18 +160,30 @@ def build_components(args: EngineArgs) -> EngineComponents:
             num_sampled_tokens_per_step=0,
             uniform_spec_decode_padding=False,
         )
-        runner_cls, extra = DiffusionModelRunner, {"diffusion_config": dcfg}
-    runner = runner_cls(
-        model,
-        num_blocks=num_blocks,
-        block_size=bs,
-        max_model_len=max_model_len,
-        max_num_reqs=args.max_num_seqs,
-        dtype=dtype,
-        device=device,
-        seed=args.seed,
-        **extra,
-    )
+        if not isinstance(model, DiffusionLM):
+            raise TypeError(f"{type(model).__name__} does not implement DiffusionLM")
+        runner = DiffusionModelRunner(
+            model,
+            diffusion_config=dcfg,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=max_model_len,
+            max_num_reqs=args.max_num_seqs,
+            dtype=dtype,
+            device=device,
+            seed=args.seed,
+        )
+    else:
+        runner = ModelRunner(
+            model,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=max_model_len,
+            max_num_reqs=args.max_num_seqs,
+            dtype=dtype,
+            device=device,
+            seed=args.seed,
+        )
     if spec is not None:
         runner.proposer = _build_proposer(spec, draft, sched_config, dtype, device, args.seed)
     logger.info(
@@ -179,11 +195,28 @@ def build_components(args: EngineArgs) -> EngineComponents:
         num_blocks,
         bs,
     )
-    vocab = int(getattr(limits, "vocab_size", 0) or model.kv_cache_shapes() and config.vocab_size)
+    vocab = int(getattr(limits, "vocab_size", 0) or model.vocab_size)
     release_gguf_readers()  # target and draft are loaded: unmap their files
-    return EngineComponents(
-        path, config, tokenizer, eos, stop_ids, vocab, sched_config, runner, spec
+    model_config = ModelConfig(
+        model_path=str(path),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        vocab_size=vocab,
+        eos_token_id=eos,
+        extra_stop_token_ids=frozenset(stop_ids),
+        is_diffusion=dcfg is not None,
+        image_token_id=getattr(model, "image_token_id", None),
+        max_logprobs=args.max_logprobs,
     )
+    engine_config = EngineConfig(
+        model=model_config,
+        scheduler=sched_config,
+        parallel=parallel,
+        observability=args.observability_config(),
+        speculative=spec,
+        diffusion=dcfg,
+    )
+    return EngineComponents(engine_config, path, config, tokenizer, runner)
 
 
 def _load_draft(
@@ -199,9 +232,10 @@ def _load_draft(
     )
     draft_max = getattr(draft_config, "max_position_embeddings", None) or max_len
     if draft_max < max_len:
-        raise ValueError(
+        raise InvalidParameterError(
+            "speculative_config",
             f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
-            f"max_model_len ({max_len}): decrease max_model_len."
+            f"max_model_len ({max_len}): decrease max_model_len.",
         )
     return prepare_for_device(load_model(draft_path, draft_config, dtype).to(device))
 

@@ -25,7 +25,7 @@ _ENGINE_FLAGS = (
     "tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
-    "scheduling_policy", "tensor_parallel_size",
+    "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
 )  # fmt: skip
 
 
@@ -55,6 +55,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     p.add_argument("--tensor-parallel-size", type=int, default=None)
+    p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
+    p.add_argument("--disable-log-stats", action="store_true", default=None)
 
 
 def _model(args: argparse.Namespace) -> str | None:
@@ -62,29 +64,28 @@ def _model(args: argparse.Namespace) -> str | None:
 
 
 def _make_engine(args: argparse.Namespace):
-    from impasto.engine.args import EngineArgs
+    from impasto.config.engine_args import EngineArgs
     from impasto.engine.engine import LLMEngine
 
     return LLMEngine(EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args)))
 
 
 def _stream_text(engine, prompt: dict, params, out=sys.stdout) -> tuple[str, int]:
-    """Run one request on an in-process engine, writing text as it is produced."""
-    from impasto.engine.engine_process import StreamState, make_delta
-
+    """Run one request on an in-process engine, writing text as it is produced (the engine's
+    outputs are deltas, with partial stop strings held back)."""
     rid = engine.add_request(None, prompt, params)
-    st = StreamState(list(params.stop or []), params.n)
-    text, tokens = "", 0
+    pieces: list[str] = []
+    tokens = 0
     while engine.has_unfinished_requests():
-        for result in engine.step():
-            if result.request_id != rid:
+        for delta in engine.step():
+            if delta.request_id != rid:
                 continue
-            for c in make_delta(result, st).completions:
+            for c in delta.outputs:
                 out.write(c.text)
                 out.flush()
-                text += c.text
+                pieces.append(c.text)
                 tokens += len(c.token_ids)
-    return text, tokens
+    return "".join(pieces), tokens
 
 
 def _chat_prompt(engine, messages: list[dict]) -> dict:
@@ -204,7 +205,7 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from impasto.engine.args import EngineArgs
+    from impasto.config.engine_args import EngineArgs
     from impasto.entrypoints.openai.server import ServeConfig, run_server
 
     engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
@@ -218,7 +219,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
-        max_logprobs=args.max_logprobs,
     )
     return run_server(cfg)
 
@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--disable-uvicorn-access-log", action="store_true")
     srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0)
-    srv.add_argument("--max-logprobs", type=int, default=20)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from impasto.engine.args import EngineArgs
+from impasto.config.engine_args import EngineArgs
 from impasto.engine.engine import LLMEngine, PromptType
 from impasto.engine.metrics import Metric
 from impasto.loader.tokenizer import apply_chat_template
@@ -40,14 +40,15 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError("the number of sampling_params must match the number of prompts.")
         engine = self.llm_engine
-        # Validate everything before enqueueing anything: a bad prompt fails the call cleanly.
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            engine.validate(engine.tokenize_prompt(prompt)[1], params)
-        ids = [
-            engine.add_request(None, prompt, params, priority=priority[i] if priority else 0)
+        # Admit everything before enqueueing anything (each prompt tokenized and checked once):
+        # a bad prompt fails the call cleanly.
+        requests = [
+            engine.process_request(None, prompt, params, priority=priority[i] if priority else 0)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        return self._run(ids, use_tqdm)
+        for request in requests:
+            engine.add_engine_request(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(
         self,
@@ -78,7 +79,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(ids)
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}  # accumulated from the engine's deltas
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -87,10 +88,17 @@ class LLM:
         start, out_tokens = time.perf_counter(), 0
         try:
             while pending:
-                for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
+                for delta in engine.step():
+                    rid = delta.request_id
+                    if rid not in pending:
+                        continue
+                    out = results.get(rid)
+                    if out is None:
+                        results[rid] = out = RequestOutput.start(delta)
+                    else:
+                        out.add(delta)
+                    if out.finished:
+                        pending.discard(rid)
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             bar.update(1)

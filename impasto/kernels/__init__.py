@@ -9,7 +9,11 @@ cache-writing query (decodes, speculative verification), the KV-cache write and 
 attention (one instead of about twelve). Eager PyTorch pays more for dispatching these small
 kernels than for their arithmetic at batch 1 (see docs/benchmarks.md). On those steps the
 decoder layers of a Llama-family model run as one call that chains the same kernels in C++
-(`decoder_layers`, see `models/fused_stack.py`), so no Python runs between them.
+(`decoder_layers`, see `decoder_stack.py`), so no Python runs between them.
+
+This package is a leaf: it builds and exposes the ops (`load()`, `ops()`, `enabled()`,
+`wanted()`) and imports nothing else from impasto. Models opt in through the typed hooks of
+`impasto.models.layers.device_hooks`; `impasto.worker.device_prep` walks a model and calls them.
 
 Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
 reference path, which the token-exact tests against transformers use; the kernels compute in
@@ -133,35 +137,3 @@ def ops() -> Any:
 def wanted(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of this dtype on this device should use the kernels (16-bit CPU)."""
     return enabled() and device.type == "cpu" and dtype == torch.bfloat16
-
-
-def install(model: torch.nn.Module) -> int:
-    """Point the fusable layers of `model` at the kernels; returns how many (0: not wanted).
-
-    Builds the library if needed. Layers opt in with a `fusable = True` class attribute and a
-    `fused_ops` attribute that their forward checks; linear layers whose weights were not
-    packed for oneDNN (`packed.py`: CPUs without native bf16) get the skinny bf16 GEMM, which
-    streams the weights at close to the memory bandwidth where PyTorch's bf16 matmul reaches
-    about half of it (and is slower still with more rows; measured in docs/benchmarks.md).
-    Then modules with an `install_kernels(ops)` method (a model's decoder stack) get to set up
-    paths that span several layers.
-    """
-    from impasto.models.layers.packed import plain_linear
-
-    param = next(model.parameters(), None)
-    if param is None or not wanted(param.dtype, param.device) or load() is None:
-        return 0
-    count = 0
-    for module in model.modules():
-        if getattr(module, "fusable", False):
-            module.fused_ops = _OPS
-            count += 1
-        weight = getattr(module, "weight", None)
-        if getattr(module, "linear", None) is plain_linear and weight.dtype == torch.bfloat16:
-            module.linear = _OPS.linear_bf16  # oneDNN-packed layers (packed.py) keep theirs
-            count += 1
-    for module in model.modules():  # whole-stack paths, once their layers are set up
-        hook = getattr(module, "install_kernels", None)
-        if hook is not None:
-            hook(_OPS)
-    return count

@@ -545,7 +545,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
 // batch-1 step of a 30-layer model). x [T, hidden] are the embeddings; returns (the last MLP
 // output, the residual stream), whose sum the final norm takes. Per layer, `weights` holds
 // kLayerFields entries (absent ones None), in the order of the LayerField enum (see
-// _layer_weights in models/fused_stack.py); kv_caches and windows are per layer.
+// StackLayer in decoder_stack.py); kv_caches and windows are per layer.
 enum LayerField {
   kInNorm, kQkvW, kQkvB, kQNorm, kKNorm, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB,
   kLayerFields

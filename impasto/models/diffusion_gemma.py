@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impasto.models.layers import Attention, RMSNorm, RotaryEmbedding
+from impasto.models.layers.device_hooks import FusedOps
 from impasto.models.layers.moe import GemmaExperts, GemmaRouter
 from impasto.models.weights import load_weights_strict
 
@@ -34,13 +35,14 @@ _IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_he
 class Norm(RMSNorm):
     """Gemma-4 RMSNorm: x * w in float32 (the weight is stored as is, not zero-centred)."""
 
-    fusable = False  # its own formula (optional weight), not the fused kernel's
-
     def __init__(self, dim: int, eps: float, with_scale: bool = True) -> None:
         super().__init__(dim, eps)
         if not with_scale:
             del self.weight
             self.weight = None  # type: ignore[assignment]
+
+    def use_kernels(self, ops: FusedOps) -> bool:
+        return False  # its own formula (optional weight), not the fused kernel's
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else self.weight.float()
@@ -153,10 +155,9 @@ class SelfConditioning(nn.Module):
 
 
 class DiffusionGemmaForBlockDiffusion(nn.Module):
-    """Runner interface of `impasto.models.llama` plus `self_conditioning` rows (see forward)."""
+    """Implements `impasto.models.interface.DiffusionLM` (self-conditioning rows: see forward)."""
 
     is_diffusion = True
-    fused_ops: Any = None  # the CPU kernels (set by the diffusion runner): soft-capping
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -186,6 +187,13 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             }
         )
         self.softcap = getattr(tc, "final_logit_softcapping", None)
+        self.fused_ops: FusedOps | None = None  # `use_kernels`: soft-capping in place
+
+    def use_kernels(self, ops: FusedOps | None) -> bool:
+        """The soft-capping kernel (float32 logits, so every dtype on CPU; the diffusion runner
+        calls it); None: back to eager soft-capping."""
+        self.fused_ops = ops
+        return ops is not None
 
     @property
     def embed_scale(self) -> float:

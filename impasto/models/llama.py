@@ -1,25 +1,18 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it.
 
-Interface relied on by the runner (same for every model in the registry):
-  Model(config)                          parameters in torch's default dtype/device; cast with
-                                         `.to(dtype)` (load_hf_model builds in `dtype` directly)
-  forward(input_ids [T], positions [T])  -> hidden [T, hidden]; inside `forward_context(...)`
-  compute_logits(hidden [N, hidden])     -> logits [N, vocab] float32
-  load_weights(iterable of (HF name, tensor)), strict
-  kv_cache_shapes()                      -> [(num_kv_heads, head_dim)] per layer (layer_idx order)
+Implements `impasto.models.interface.CausalLM`. On bf16 CPU models with the kernels, the
+decoder layers may run as one native call on short-query steps (`llama_stack.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from impasto.models.fused_stack import FusedDecoderStack
 from impasto.models.layers import (
     Attention,
     ParallelLMHead,
@@ -31,8 +24,13 @@ from impasto.models.layers import (
     VocabParallelEmbedding,
     rope_parameters,
 )
+from impasto.models.layers.device_hooks import FusedOps
 from impasto.models.layers.parallel import divide, tp_size
+from impasto.models.llama_stack import FusedLlamaStack
 from impasto.models.weights import load_weights_strict
+
+# (x [T, hidden], cos_sin) -> (last MLP output, residual stream), or None: run per module.
+StackFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass(frozen=True)
@@ -114,10 +112,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    # Set by `impasto.kernels.install` (through `install_kernels`) when the whole stack can run
-    # as one native call on short-query steps; see fused_stack.py.
-    fused_stack: FusedDecoderStack | None = None
-
     def __init__(self, config: PretrainedConfig, options: list[AttentionOptions]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -126,6 +120,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        # Set by `use_kernels` when the whole stack can run as one native call on short-query
+        # steps (llama_stack.py).
+        self.fused_stack: StackFn | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -139,15 +136,21 @@ class LlamaModel(nn.Module):
                 x, residual = layer(x, residual, cos_sin, self.rotary_emb)
         return self.norm(x, residual)[0]
 
-    def install_kernels(self, ops: Any) -> None:
-        """Called by `impasto.kernels.install` after the layers got their kernels."""
-        self.fused_stack = FusedDecoderStack.build(ops, self)
+    def use_kernels(self, ops: FusedOps) -> bool:
+        """Device preparation calls it after its layers took the kernels (children first)."""
+        self.fused_stack = FusedLlamaStack.build(ops, self)
+        return self.fused_stack is not None
 
 
 class LlamaForCausalLM(nn.Module):
+    """Implements `impasto.models.interface.CausalLM`."""
+
+    is_diffusion = False
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
+        self.vocab_size: int = config.vocab_size
         opts = [self.attention_options(config, i) for i in range(config.num_hidden_layers)]
         self.model = LlamaModel(config, opts)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))

@@ -29,19 +29,20 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
-    def add(self, state: RequestState) -> None:
+    def add(self, state: RequestState, block_ids: list[int], num_computed: int) -> None:
+        """A new or resumed request: its whole block table and its computed tokens."""
         row = len(self.req_ids)
         if row >= self.max_num_reqs:
             raise RuntimeError(f"persistent batch full ({self.max_num_reqs} rows)")
         tokens = state.prompt_token_ids + state.output_token_ids
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
-        self.num_computed[row] = state.num_computed_tokens
+        self.num_computed[row] = num_computed
         self.num_blocks[row] = 0
         self.req_ids.append(state.req_id)
         self.states.append(state)
         self.row_of[state.req_id] = row
-        self.append_blocks(row, state.block_ids)
+        self.append_blocks(row, block_ids)
 
     def remove(self, req_id: str) -> RequestState | None:
         row = self.row_of.pop(req_id, None)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from impasto.models.interface import CausalLM
 
 
-def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * h * d * elem for h, d in model.kv_cache_shapes())
 
 
 def allocate_kv_caches(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One [2 (k, v), num_blocks, block_size, Hkv, D] tensor per layer (layer_idx order).
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
-from impasto.attention.metadata import AttentionMetadata, forward_context
+from impasto.attention.metadata import AttentionMetadata
+from impasto.attention.registry import get_attention_backend
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
+from impasto.models.interface import CausalLM
 from impasto.worker.attn_inputs import build_attention_metadata
+from impasto.worker.forward import model_forward
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.kv_cache import allocate_kv_caches
 from impasto.worker.request_state import Phase, RequestState
@@ -23,7 +25,7 @@ from impasto.worker.spec_decode import Proposer, RejectionSampler, StepResult
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,
@@ -34,6 +36,7 @@ class ModelRunner:
         seed: int = 0,
     ) -> None:
         self.model = model
+        self.attn_backend = get_attention_backend()  # the registry's default
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -47,6 +50,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
+    def take_stats(self) -> dict[str, float]:
+        """Metric counter increments since the previous call (none for AR runners: the
+        scheduler counts tokens and drafts)."""
+        return {}
+
     # -- state diffs --------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -56,22 +64,11 @@ class ModelRunner:
         for rid in so.preempted_req_ids:
             state = batch.remove(rid)
             if state is not None:  # its KV is gone: it restarts from a prefill
-                state.phase = Phase.PREFILL
-                done = state.extra.get("prompt_logprobs_done")
-                state.extra.clear()
-                if done:  # prompt logprobs were already delivered
-                    state.extra["prompt_logprobs_done"] = True
+                state.on_preempted()
         for new in so.scheduled_new_reqs:
-            state = RequestState(
-                new.req_id,
-                list(new.prompt_token_ids),
-                new.sampling_params,
-                [],
-                list(new.block_ids),
-                new.num_computed_tokens,
-            )
+            state = RequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params, [])
             self.requests[new.req_id] = state
-            batch.add(state)
+            batch.add(state, new.block_ids, new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -79,9 +76,7 @@ class ModelRunner:
                 state.output_token_ids = cached.resumed_token_ids[rid][
                     len(state.prompt_token_ids) :
                 ]
-                state.block_ids = list(cached.new_block_ids[i])
-                state.num_computed_tokens = cached.num_computed_tokens[i]
-                batch.add(state)
+                batch.add(state, cached.new_block_ids[i], cached.num_computed_tokens[i])
             else:
                 row = batch.row_of[rid]
                 batch.append_blocks(row, cached.new_block_ids[i])
@@ -120,7 +115,7 @@ class ModelRunner:
             sample_plan.append((b, len(logits_idx), k + 1))
             logits_idx.extend(range(first, first + k + 1))
 
-        with forward_context(meta, self.kv_caches):
+        with model_forward(self.attn_backend, meta, self.kv_caches):
             hidden = self.model(input_ids, meta.positions)
         prompt_lps = self._prompt_logprobs(req_ids, rows, start, num_sched, cu, hidden)
 
@@ -173,9 +168,14 @@ class ModelRunner:
         """Rejection-sample the rows of a step with drafts (losslessly, any sampling params)."""
         drafts = [spec.get(req_ids[b], []) for b, _, _ in plan]
         # A draft model's q for random requests; None: deterministic drafts (one-hot q).
-        q = [self.batch.states[rows[b]].extra.get("draft_probs") for b, _, _ in plan]
+        q = [self._draft_probs(self.batch.states[rows[b]]) for b, _, _ in plan]
         first_k = [(first, k - 1) for _, first, k in plan]
         return self.rejection_sampler(logits, sampling, first_k, drafts, q)
+
+    @staticmethod
+    def _draft_probs(state: RequestState) -> torch.Tensor | None:
+        draft = state.resident.draft
+        return None if draft is None else draft.probs
 
     def _prepare_inputs(
         self, rows: np.ndarray, num_sched: np.ndarray
@@ -225,10 +225,12 @@ class ModelRunner:
         for b, rid in enumerate(req_ids):
             state = self.batch.states[rows[b]]
             num_top = state.sampling_params.prompt_logprobs
-            if num_top is None or "prompt_logprobs_done" in state.extra:
+            if num_top is None or state.prompt_logprobs_done:
                 continue
             prompt = state.prompt_token_ids
-            acc = state.extra.setdefault("prompt_logprobs", [None])  # no logprob for token 0
+            acc = state.resident.prompt_logprobs
+            if acc is None:
+                acc = state.resident.prompt_logprobs = [None]  # no logprob for token 0
             lo = int(start[b])
             hi = min(int(start[b] + num_sched[b]), len(prompt) - 1)  # positions with a next token
             if hi > lo:
@@ -237,6 +239,6 @@ class ModelRunner:
                 lps = compute_prompt_logprobs(self.model.compute_logits(h), nxt, num_top)
                 acc.extend(lps.to_dicts([num_top] * (hi - lo)))
             if start[b] + num_sched[b] >= len(prompt):
-                state.extra["prompt_logprobs_done"] = True
-                done[rid] = state.extra.pop("prompt_logprobs")
+                state.prompt_logprobs_done = True
+                done[rid], state.resident.prompt_logprobs = acc, None
         return done

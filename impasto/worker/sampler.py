@@ -77,7 +77,7 @@ class SamplingMetadata:
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         banned = [_banned_ids(p, len(out)) for p, out in zip(params, output_token_ids, strict=True)]
         max_lp = [p.logprobs for p in params if p.logprobs is not None]
-        biases = [p.logit_bias for p in params]
+        biases = [p.logit_bias_ids for p in params]
         return cls(
             temperature=None if all_greedy else vec(temps),
             all_greedy=all_greedy,

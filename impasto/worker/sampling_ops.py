@@ -151,7 +151,7 @@ def derive_seed(seed: int, position: int, stream: int = 0) -> int:
 
 
 def exponential_noise(
-    shape: tuple[int, int],
+    shape: tuple[int, ...],  # (N, V)
     seeds: Sequence[int | None],
     positions: Sequence[int],
     generator: torch.Generator | None,

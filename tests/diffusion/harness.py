@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from impasto.attention.metadata import AttentionMetadata, forward_context
+from impasto.attention.metadata import AttentionMetadata
+from impasto.attention.registry import get_attention_backend
+from impasto.worker.forward import model_forward
 
 
 class OneRequest:
@@ -38,7 +40,7 @@ class OneRequest:
     def encode(self, ids: list[int]) -> torch.Tensor:
         """Causal pass that writes the cache; returns hidden states [n, H]."""
         meta = self._meta(len(ids), True, True)
-        with forward_context(meta, self.kv):
+        with model_forward(get_attention_backend(), meta, self.kv):
             h = self.model(torch.tensor(ids), meta.positions)
         self.num_computed += len(ids)
         return h
@@ -48,7 +50,7 @@ class OneRequest:
         """Bidirectional read-only pass over a canvas; returns logits [n, V]."""
         n = len(canvas)
         meta = self._meta(n, False, False)
-        with forward_context(meta, self.kv):
+        with model_forward(get_attention_backend(), meta, self.kv):
             h = self.model(torch.tensor(canvas), meta.positions, torch.arange(n), soft)
         return self.model.compute_logits(h)
 

@@ -7,7 +7,10 @@ import json
 import pytest
 import torch
 
-from impasto.engine.diffusion_config import DiffusionConfig, validate_diffusion_params
+from impasto.config.diffusion import DiffusionConfig
+from impasto.config.model import ModelConfig
+from impasto.engine.processor import InputProcessor
+from impasto.errors import InvalidParameterError
 from impasto.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from impasto.sampling_params import SamplingParams
 
@@ -51,8 +54,35 @@ def test_temperature_schedule_endpoints():
     assert [round(cfg.temperature(s), 6) for s in range(4)] == [0.8, 0.7, 0.6, 0.5]
 
 
+def _diffusion_processor() -> InputProcessor:
+    model = ModelConfig("m", "float32", max_model_len=64, vocab_size=100, is_diffusion=True)
+    return InputProcessor(model, tokenizer=None)
+
+
 def test_supported_params_pass():
-    validate_diffusion_params(SamplingParams(max_tokens=5, seed=3, stop=["x"], min_tokens=2))
+    params = SamplingParams(max_tokens=5, seed=3, stop=["x"], min_tokens=2)
+    _diffusion_processor().process("r", [1, 2, 3], params)
+
+
+@pytest.mark.parametrize(
+    "param, value",
+    [
+        ("n", 2),
+        ("temperature", 0.5),
+        ("top_p", 0.9),
+        ("top_k", 5),
+        ("min_p", 0.1),
+        ("presence_penalty", 0.5),
+        ("repetition_penalty", 1.2),
+        ("logit_bias", {3: 1.0}),
+        ("logprobs", 1),
+        ("prompt_logprobs", 0),
+    ],
+)
+def test_unsupported_params_are_refused_at_admission(param, value):
+    with pytest.raises(InvalidParameterError, match="not supported by diffusion") as e:
+        _diffusion_processor().process("r", [1, 2, 3], SamplingParams(**{param: value}))
+    assert e.value.param == param
 
 
 def test_dense_variant_runs_both_modes():

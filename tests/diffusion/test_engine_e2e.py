@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -127,7 +128,8 @@ def test_vocab_work_chunked_or_eager_gives_the_same_outputs(tiny_dg, monkeypatch
     runner = eager.llm_engine.runner
     if runner.canvas_sampler.ops is None:
         pytest.skip("CPU kernels unavailable: the default run was eager already")
-    runner.canvas_sampler.ops = runner.model.fused_ops = None
+    runner.canvas_sampler.ops = None
+    runner.model.use_kernels(None)
     assert _gen(eager, prompts, params) == want
 
 
@@ -137,12 +139,10 @@ def test_streaming_emits_whole_canvases_and_metrics(tiny_dg):
     engine.add_request(
         "a", {"prompt_token_ids": _prompts([10])[0]}, SamplingParams(max_tokens=40, ignore_eos=True)
     )
-    deltas, seen = [], 0
+    deltas = []  # the engine's outputs are deltas: one whole canvas each
     while engine.has_unfinished_requests():
         for out in engine.step():
-            n = len(out.outputs[0].token_ids)
-            deltas.append(n - seen)
-            seen = n
+            deltas.append(len(out.outputs[0].token_ids))
     assert deltas == [16, 16, 8]
     m = {x.name: x.value for x in engine.get_metrics()}
     assert m["impasto:diffusion_canvases_committed"] == 3
@@ -171,7 +171,8 @@ def test_eos_inside_a_canvas(tiny_dg):
     full = _gen(llm, [prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0]
     eos = full[21]  # in the second canvas
     first = full.index(eos)
-    llm.llm_engine.eos_token_id = eos
+    processor = llm.llm_engine.processor  # the model's EOS as admission sees it
+    processor.model = dataclasses.replace(processor.model, eos_token_id=eos)
     out = llm.generate(
         [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=32), use_tqdm=False
     )[0]

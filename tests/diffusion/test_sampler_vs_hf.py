@@ -13,7 +13,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 )
 
 from impasto import kernels
-from impasto.engine.diffusion_config import DiffusionConfig
+from impasto.config.diffusion import DiffusionConfig
 from impasto.worker.diffusion.sampler import (
     GRID,
     CanvasState,

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from impasto import kernels
-from impasto.attention.metadata import forward_context
 from impasto.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
 from impasto.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from impasto.worker.device_prep import install_kernels
 from tests.models.test_attention_backend import dense_reference, setup
 
 HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -43,7 +43,7 @@ def test_rms_norm_and_residual_add(dtype, gemma, rows, n):
     norm.weight.data = torch.randn(n, generator=g).to(dtype)
     want_y, want_sum = norm(x, r)
     want_plain = norm(x)
-    norm.fused_ops = ops
+    norm.use_kernels(ops)
     got_y, got_sum = norm(x, r)
     assert torch.equal(got_sum, want_sum)  # the residual stream: one rounding of x + r
     close(got_y, want_y, dtype)
@@ -56,7 +56,7 @@ def test_rms_norm_of_strided_heads():
     heads = qkv[:, 16:96].view(3, 5, 16)
     norm = RMSNorm(16, 1e-6).to(torch.bfloat16)
     want = norm(heads)
-    norm.fused_ops = ops
+    norm.use_kernels(ops)
     close(norm(heads), want, torch.bfloat16)
 
 
@@ -73,9 +73,9 @@ def test_mlp_uses_the_kernel_for_decode_sized_inputs_only(monkeypatch):
     mlp = SwiGLUMLP(32, 48).to(torch.bfloat16)
     assert mlp.fused_ops is None  # installed per model, never by default
     calls = []
-    mlp.fused_ops = type(
-        "Ops", (), {"silu_and_mul": lambda self, x: calls.append(x) or x[:, 48:]}
-    )()
+    mlp.use_kernels(
+        type("Ops", (), {"silu_and_mul": lambda self, x: calls.append(x) or x[:, 48:]})()
+    )
     mlp(torch.randn(1, 32).to(torch.bfloat16))
     mlp(torch.randn(65, 32).to(torch.bfloat16))
     assert [c.shape[0] for c in calls] == [1]
@@ -91,7 +91,7 @@ def test_rotary_in_place_on_qkv_views(dtype, partial):
     qk = qkv[:, : (hq + hkv) * d].view(t, -1, d)
     want = rope(qk, cos_sin)
     v_before = qkv[:, (hq + hkv) * d :].clone()
-    rope.fused_ops = ops
+    rope.use_kernels(ops)
     got = rope(qk, cos_sin, inplace=True)
     assert got.data_ptr() == qkv.data_ptr()  # rotated where it lies
     close(got, want, dtype)
@@ -135,11 +135,12 @@ def test_backend_takes_the_fused_path_for_bf16_decode_steps():
     meta, cache, q, k, v, *_ = setup(SHORT, hq, hkv, d, torch.bfloat16, seed=3)
     fused_cache, bag_cache = cache.clone(), cache.clone()
     fused, bag = TorchAttentionBackend(), TorchAttentionBackend(short_path="bag")
-    with forward_context(meta, [fused_cache]):
-        assert fused.plan(meta).all_short
-        got = fused.forward(q, k, v, fused_cache, meta, scale=d**-0.5)
-    with forward_context(meta, [bag_cache]):
-        want = bag.forward(q, k, v, bag_cache, meta, scale=d**-0.5)
+    plan = fused.build_plan(meta)
+    assert plan.all_short and plan.fused_short_queries(fused_cache, q.dtype) is not None
+    got = fused.forward(q, k, v, fused_cache, meta, plan, scale=d**-0.5)
+    bag_plan = bag.build_plan(meta)
+    assert bag_plan.fused_short_queries(bag_cache, q.dtype) is None  # "bag" never fuses
+    want = bag.forward(q, k, v, bag_cache, meta, bag_plan, scale=d**-0.5)
     assert torch.equal(fused_cache, bag_cache)
     close(got, want, torch.bfloat16)
 
@@ -174,9 +175,9 @@ def test_install_switches_bf16_models_only():
 
     bf16 = torch.nn.Sequential(ReplicatedLinear(8, 8), RMSNorm(8)).to(torch.bfloat16)
     fp32 = torch.nn.Sequential(ReplicatedLinear(8, 8), RMSNorm(8))
-    assert kernels.install(fp32) == 0 and fp32[0].linear is plain_linear
+    assert install_kernels(fp32) == 0 and fp32[0].linear is plain_linear
     assert fp32[1].fused_ops is None
-    assert kernels.install(bf16) == 2
+    assert install_kernels(bf16) == 2
     assert bf16[0].linear is ops.linear_bf16 and bf16[1].fused_ops is ops
 
 

@@ -1,7 +1,10 @@
-"""The whole-stack decoder call (models/fused_stack.py) against the per-module kernel path.
+"""The whole-stack decoder call (kernels/decoder_stack.py, models/llama_stack.py) against the
+per-module kernel path.
 
 Both run the same kernels in the same order, so greedy tokens and logprobs must be identical,
 bit for bit, on decode and speculative-verification steps of every Llama-family variant.
+The engines run with oneDNN weight packing off: packed weights make the stack ineligible, and
+whether a CPU can pack must not decide what this tests.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from impasto import LLM, SamplingParams, kernels
-from impasto.models.fused_stack import FusedDecoderStack, unsupported_reason
+from impasto.models.llama_stack import FusedLlamaStack, unsupported_reason
 from tests.models.checkpoints import build_checkpoint
 
 HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -33,15 +36,20 @@ PROMPTS = [[5, 17, 99], [1, 200, 31, 64, 8, 9, 120, 77, 3, 45, 46], [7, 8, 9] * 
 
 
 class Counting:
-    """Wraps a FusedDecoderStack and counts the steps it took."""
+    """Wraps a FusedLlamaStack and counts the steps it took."""
 
-    def __init__(self, stack: FusedDecoderStack) -> None:
+    def __init__(self, stack: FusedLlamaStack) -> None:
         self.stack, self.steps = stack, 0
 
     def __call__(self, x, cos_sin):
         out = self.stack(x, cos_sin)
         self.steps += out is not None
         return out
+
+
+@pytest.fixture(autouse=True)
+def no_weight_packing(monkeypatch):
+    monkeypatch.setenv("IMPASTO_CPU_PACKED_WEIGHTS", "0")  # see the module docstring
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -3,18 +3,23 @@
 It plays the runner's role just enough to drive a model the way the engine does: prompts are
 prefilled in chunks (later chunks read the cached prefix), requests join at different steps,
 and every step runs all active requests as one flattened batch (prefill chunks mixed with
-decodes). Block tables are padded with -1 so that a backend reading past a request's blocks
-fails loudly.
+decodes). The metadata comes from the runner's own builder (`build_attention_metadata`) and
+forwards are opened like the runner's (`model_forward`). Block tables are padded with -1 so
+that a backend reading past a request's blocks fails loudly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
-from impasto.attention.metadata import AttentionMetadata, forward_context
+from impasto.attention.metadata import AttentionMetadata
+from impasto.attention.registry import get_attention_backend
+from impasto.worker.attn_inputs import build_attention_metadata
+from impasto.worker.forward import model_forward
 
 
 class BlockAllocator:
@@ -47,32 +52,22 @@ class Work:
 
 
 def build_metadata(work: list[Work], block_size: int) -> AttentionMetadata:
-    qlens = [w.num_new for w in work]
-    slens = [w.seq.num_computed + w.num_new for w in work]
-    positions, slots = [], []
-    for w in work:
-        for p in range(w.seq.num_computed, w.seq.num_computed + w.num_new):
-            positions.append(p)
-            slot = w.seq.blocks[p // block_size] * block_size + p % block_size
-            slots.append(slot if w.write else -1)
-    max_blocks = max(len(w.seq.blocks) for w in work) + 1
-    table = torch.full((len(work), max_blocks), -1, dtype=torch.int64)
+    """The runner's metadata for `work` (one row per request, in order); read-only requests
+    and bidirectional ones edited like the diffusion runner's canvas rows."""
+    table = np.full((len(work), max(len(w.seq.blocks) for w in work)), -1, dtype=np.int64)
     for b, w in enumerate(work):
-        table[b, : len(w.seq.blocks)] = torch.tensor(w.seq.blocks)
-    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int64)
-    return AttentionMetadata(
-        num_reqs=len(work),
-        num_tokens=sum(qlens),
-        block_size=block_size,
-        query_lens=qlens,
-        seq_lens=slens,
-        causal=[w.seq.causal for w in work],
-        query_start_loc=cu,
-        seq_lens_t=torch.tensor(slens, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_table=table,
+        table[b, : len(w.seq.blocks)] = w.seq.blocks
+    start = np.array([w.seq.num_computed for w in work], dtype=np.int64)
+    qlens = np.array([w.num_new for w in work], dtype=np.int64)
+    rows = np.arange(len(work), dtype=np.int64)
+    meta, req_idx, _ = build_attention_metadata(
+        table, rows, start, qlens, block_size, torch.device("cpu")
     )
+    meta.causal = [w.seq.causal for w in work]
+    read_only = torch.from_numpy(np.flatnonzero([not work[b].write for b in req_idx]))
+    if read_only.numel():
+        meta.slot_mapping = meta.slot_mapping.index_fill(0, read_only, -1)
+    return meta
 
 
 class PagedRunner:
@@ -97,7 +92,7 @@ class PagedRunner:
         ids = torch.tensor(
             [t for w in work for t in w.seq.tokens[w.seq.num_computed :][: w.num_new]]
         )
-        with forward_context(meta, self.kv_caches):
+        with model_forward(get_attention_backend(), meta, self.kv_caches):
             hidden = self.model(ids, meta.positions)
         logits = self.model.compute_logits(hidden)
         for w in work:

@@ -7,10 +7,13 @@ import math
 import pytest
 import torch
 
-from impasto.attention import torch_plan
-from impasto.attention.backend import get_attention_backend
-from impasto.attention.metadata import forward_context
+from impasto.attention import registry, torch_plan
+from impasto.attention.backend import AttentionBackend, AttentionPlan
+from impasto.attention.metadata import get_forward_context
+from impasto.attention.registry import get_attention_backend, register_attention_backend
 from impasto.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
+from impasto.models.layers import Attention
+from impasto.worker.forward import model_forward
 from tests.models.harness import BlockAllocator, Seq, Work, build_metadata
 
 BS = 4
@@ -86,9 +89,11 @@ def test_mixed_batch_matches_dense(hq, hkv, window, softcap, short_path):
     meta, cache, q, k, v, keys, values = setup(MIXED, hq, hkv, d, torch.float32)
     before = cache.clone()
     scale = 1 / math.sqrt(d)
-    out = TorchAttentionBackend(short_path).forward(
-        q, k, v, cache, meta, scale=scale, sliding_window=window, logit_softcap=softcap
-    )
+    backend = TorchAttentionBackend(short_path)
+    out = backend.forward(
+        q, k, v, cache, meta, backend.build_plan(meta),
+        scale=scale, sliding_window=window, logit_softcap=softcap,
+    )  # fmt: skip
     ref = dense_reference(q, keys, values, MIXED, scale, window, softcap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     # The cache received exactly the written rows' k/v; read-only rows left it untouched.
@@ -113,7 +118,8 @@ def test_mixed_batch_matches_dense(hq, hkv, window, softcap, short_path):
 @pytest.mark.parametrize("short_path", ["sdpa", "bag"])
 def test_batch_shapes(cases, short_path):
     meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=1)
-    out = TorchAttentionBackend(short_path).forward(q, k, v, cache, meta, scale=0.3)
+    backend = TorchAttentionBackend(short_path)
+    out = backend.forward(q, k, v, cache, meta, backend.build_plan(meta), scale=0.3)
     torch.testing.assert_close(
         out.double(), dense_reference(q, keys, values, cases, 0.3, None, None), atol=2e-5, rtol=0
     )
@@ -123,7 +129,9 @@ def test_batch_shapes(cases, short_path):
 def test_bf16_close_to_reference(short_path):
     meta, cache, q, k, v, keys, values = setup(MIXED, 6, 2, 16, torch.bfloat16, seed=2)
     backend = TorchAttentionBackend(short_path)
-    out = backend.forward(q, k, v, cache, meta, scale=0.25, sliding_window=9)
+    out = backend.forward(
+        q, k, v, cache, meta, backend.build_plan(meta), scale=0.25, sliding_window=9
+    )
     assert out.dtype == torch.bfloat16
     ref = dense_reference(q, keys, values, MIXED, 0.25, 9, None)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
@@ -135,19 +143,45 @@ def test_backend_registry():
         get_attention_backend("flash")
 
 
-def test_plan_is_shared_across_layers_of_one_forward():
-    """Two layers (two caches) in one forward_context reuse the plan and stay correct."""
-    backend = TorchAttentionBackend()
+class CountingBackend(AttentionBackend[AttentionPlan]):
+    """A registered backend of its own (wrapping the torch one): counts plans and calls."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.inner = TorchAttentionBackend()
+        self.plans: list[AttentionPlan] = []
+        self.calls: list[AttentionPlan] = []  # the plan each layer call got
+
+    def build_plan(self, metadata):
+        self.plans.append(self.inner.build_plan(metadata))
+        return self.plans[-1]
+
+    def forward(self, q, k, v, kv_cache, metadata, plan, **kwargs):
+        self.calls.append(plan)
+        return self.inner.forward(q, k, v, kv_cache, metadata, plan, **kwargs)
+
+
+def test_registered_backend_runs_unchanged_layers(monkeypatch):
+    """A backend is added by registering its class: the layers take it (and one plan per
+    forward, shared by every layer) from the forward context, and a new forward builds a new
+    plan."""
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))  # undone after
+    monkeypatch.setattr(registry, "_INSTANCES", dict(registry._INSTANCES))
+    register_attention_backend("counting", __name__, "CountingBackend")
+    backend = get_attention_backend("counting")
+    assert isinstance(backend, CountingBackend) and backend is get_attention_backend("counting")
     meta, cache0, q, k, v, keys, values = setup(MIXED, 6, 2, 8, torch.float32, seed=3)
     cache1 = cache0.clone()
     ref = dense_reference(q, keys, values, MIXED, 0.5, None, None)
-    with forward_context(meta, [cache0, cache1]):
-        o0 = backend.forward(q, k, v, cache0, meta, scale=0.5)
-        plan = backend.plan(meta)
-        o1 = backend.forward(q, k, v, cache1, meta, scale=0.5)
-        assert backend.plan(meta) is plan
-    with forward_context(meta, [cache0, cache1]):
-        assert backend.plan(meta) is not plan  # a new forward builds a new plan
+    layers = [Attention(6, 2, 8, i, scale=0.5) for i in range(2)]
+    with model_forward(backend, meta, [cache0, cache1]):
+        assert get_forward_context().backend is backend
+        o0, o1 = (layer(q, k, v) for layer in layers)
+    assert len(backend.plans) == 1 and backend.calls == [backend.plans[0]] * 2
+    with model_forward(backend, meta, [cache0.clone(), cache1.clone()]):
+        layers[0](q, k, v)
+    assert len(backend.plans) == 2 and backend.calls[-1] is backend.plans[1] is not backend.plans[0]
     torch.testing.assert_close(o0.double(), ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(o1, o0)
 
@@ -160,10 +194,10 @@ def test_short_queries_split_in_chunks(monkeypatch, chunk_bytes, short_path):
     cases = [(c, q, c % 2 == 0, True) for c, q in ((3, 1), (30, 2), (0, 1), (12, 5), (50, 1))]
     meta, cache, q, k, v, keys, values = setup(cases, 6, 2, 8, torch.float32, seed=4)
     backend = TorchAttentionBackend(short_path)
-    with forward_context(meta, [cache]):
-        out = backend.forward(q, k, v, cache, meta, scale=0.3, sliding_window=20)
-        groups = backend.plan(meta).groups
-        chunks = [c for g in groups for c in g.chunks(2 * 8 * 4)]  # Hkv * D * fp32 bytes
+    plan = backend.build_plan(meta)
+    out = backend.forward(q, k, v, cache, meta, plan, scale=0.3, sliding_window=20)
+    groups = plan.groups
+    chunks = [c for g in groups for c in g.chunks(2 * 8 * 4)]  # Hkv * D * fp32 bytes
     assert len(chunks) == 5 if chunk_bytes == 1 else len(groups) <= len(chunks) < 5
     ref = dense_reference(q, keys, values, cases, 0.3, 20, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
@@ -177,11 +211,11 @@ def test_layers_with_different_kv_shapes_share_a_step(short_path):
     # Same seed: same block tables (one metadata); the random data differ with the shapes.
     setups = [setup(MIXED, hq, hkv, d, torch.float32, seed=5) for hq, hkv, d in shapes]
     meta = setups[0][0]
-    with forward_context(meta, [s[1] for s in setups]):
-        for _, cache, q, k, v, keys, values in setups:
-            out = backend.forward(q, k, v, cache, meta, scale=0.3)
-            ref = dense_reference(q, keys, values, MIXED, 0.3, None, None)
-            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    plan = backend.build_plan(meta)  # one plan for the step's layers
+    for _, cache, q, k, v, keys, values in setups:
+        out = backend.forward(q, k, v, cache, meta, plan, scale=0.3)
+        ref = dense_reference(q, keys, values, MIXED, 0.3, None, None)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
 
 
 def test_decodes_split_from_long_verifications():
@@ -189,10 +223,10 @@ def test_decodes_split_from_long_verifications():
     backend = TorchAttentionBackend()
     many = [(c, 5 if c == 12 else 1, True, True) for c in (3, 40, 12, 0, 7, 21, 9, 2, 30)]
     meta = setup(many, 6, 2, 8, torch.float32)[0]
-    groups = backend.plan(meta).groups
+    groups = backend.build_plan(meta).groups
     assert [g.qmax for g in groups] == [1, 5] and [g.n for g in groups] == [8, 1]
     # Padding is cheaper than a second pass for a few requests.
     two = [(c, 2 if c == 12 else 1, True, True) for c in (3, 40, 12, 0)]
     for few in ([(5, 1, True, True), (30, 4, True, True), (0, 3, True, True)], two):
         meta = setup(few, 6, 2, 8, torch.float32)[0]
-        assert len(backend.plan(meta).groups) == 1
+        assert len(backend.build_plan(meta).groups) == 1

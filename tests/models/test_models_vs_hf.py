@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impasto.attention.backend import get_attention_backend
+from impasto.attention.registry import get_attention_backend
 from impasto.loader.hf import load_hf_model
 from tests.models.checkpoints import build_checkpoint, hf_greedy, hf_model
 from tests.models.harness import PagedRunner, run_greedy

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from impasto.models.layers import ReplicatedLinear
-from impasto.models.layers.packed import plain_linear, prepack_linear_weights
+from impasto.models.layers.packed import plain_linear
+from impasto.worker.device_prep import prepack_linear_weights
 
 
 def test_unsupported_cpus_keep_plain_weights(monkeypatch):

@@ -7,12 +7,8 @@ import torch
 
 from impasto.loader.hf import load_hf_model
 from impasto.models.layers import ReplicatedLinear
-from impasto.models.layers.packed import (
-    cpu_supports_packing,
-    packed_linear,
-    plain_linear,
-    prepack_linear_weights,
-)
+from impasto.models.layers.packed import cpu_supports_packing, packed_linear, plain_linear
+from impasto.worker.device_prep import prepack_linear_weights
 from tests.models.checkpoints import build_checkpoint
 from tests.models.harness import PagedRunner, run_greedy
 from tests.models.test_models_vs_hf import PROMPTS

@@ -82,7 +82,7 @@ def test_min_tokens_bans_stop_ids_until_reached() -> None:
     logits = torch.zeros(2, V)
     logits[:, 7] = 10.0  # EOS is the argmax
     p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9])
-    p.update_from_tokenizer(eos_token_id=7, extra_stop_ids=set())
+    p.update_from_tokenizer(None, eos_token_id=7, extra_stop_ids=set())
     meta = make_meta([p, p], outputs=[[4], [4, 4]])
     assert meta.banned_token_ids == [[7, 9], []]
     assert Sampler()(logits, meta).sampled_token_ids.tolist()[1] == 7

@@ -57,6 +57,6 @@ def test_normalisation_and_types() -> None:
     assert SamplingParams(stop="a").stop == ["a"]
     assert SamplingParams(logit_bias={"12": 3.0}).logit_bias == {12: 3.0}
     q = SamplingParams(stop_token_ids=[5], ignore_eos=False)
-    q.update_from_tokenizer(2, {7})
+    q.update_from_tokenizer(None, 2, {7})
     assert q.all_stop_token_ids == {5, 7} and q.eos_token_id == 2
     assert SamplingParams(repetition_penalty=1.1).has_penalties

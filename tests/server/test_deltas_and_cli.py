@@ -8,44 +8,17 @@ import sys
 
 from impasto.engine import ipc
 from impasto.engine.engine_client import _merge
-from impasto.engine.engine_process import StreamState, held_back, make_delta
-from impasto.outputs import CompletionOutput, RequestOutput
+from impasto.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-def _out(text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
-    c = CompletionOutput(0, text, ids, finish_reason=finish)
-    return RequestOutput("r", None, [1, 2], [c], finished=finish is not None)
-
-
-def test_held_back():
-    assert held_back("hello wor", ["world"]) == 3
-    assert held_back("hello", ["world"]) == 0
-    assert held_back("abc", ["c", "bcd"]) == 2  # the longest proper prefix wins
-    assert held_back("x", []) == 0
-
-
-def test_make_delta_never_streams_a_partial_stop_string():
-    st = StreamState(["STOP"], 1)
-    d1 = make_delta(_out("ab S", [1, 2]), st)
-    assert d1.completions[0].text == "ab " and d1.completions[0].token_ids == [1, 2]
-    d2 = make_delta(_out("ab ST", [1, 2, 3]), st)
-    assert d2.completions[0].text == "" and d2.completions[0].token_ids == [3]
-    d3 = make_delta(_out("ab STx", [1, 2, 3, 4]), st)  # not a stop after all: released
-    assert d3.completions[0].text == "STx"
-    d4 = make_delta(_out("ab ", [1, 2, 3, 4, 5], "stop"), st)  # cut at the stop string
-    assert d4.completions[0].finish_reason == "stop"
-    assert make_delta(_out("ab ", [1, 2, 3, 4, 5], "stop"), st).completions == []
-
-
-def test_make_delta_reassembles_text():
-    st = StreamState([], 1)
-    texts, full = [], "Hello, world!"
-    for i in range(1, len(full) + 1):
-        finish = "length" if i == len(full) else None
-        texts += [
-            c.text for c in make_delta(_out(full[:i], list(range(i)), finish), st).completions
-        ]
-    assert "".join(texts) == full
+def test_to_wire_carries_the_delta_and_sorts_logprobs_by_rank():
+    lps = [{7: Logprob(-2.0, 3, "x"), 5: Logprob(-0.1, 1, "y"), 6: Logprob(-1.0, 2, "z")}]
+    c = CompletionOutput(0, "x", [7], cumulative_logprob=-2.0, logprobs=lps)
+    d = ipc.to_wire(RequestOutput("r", None, [1, 2], [c], finished=False, num_cached_tokens=1))
+    assert (d.request_id, d.finished, d.num_prompt_tokens, d.num_cached_tokens) == ("r", 0, 2, 1)
+    (w,) = d.completions
+    assert (w.text, w.token_ids, w.cumulative_logprob) == ("x", [7], -2.0)
+    assert [e[0] for e in w.logprobs[0]] == [5, 6, 7]
 
 
 def test_merge_concatenates_deltas():

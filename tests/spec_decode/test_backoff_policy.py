@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from impasto.sampling_params import SamplingParams
+from impasto.worker.request_state import RequestState
 from impasto.worker.spec_decode import proposer as P
 from impasto.worker.spec_decode.proposer import StepCostModel, _policy
 
 
-class _State:
-    def __init__(self) -> None:
-        self.extra: dict = {}
+def _State() -> RequestState:  # noqa: N802 - a state the policy reads and writes
+    return RequestState("r", [1], SamplingParams(), [])
 
 
 def test_cost_model_recovers_the_slope():

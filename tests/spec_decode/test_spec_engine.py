@@ -8,7 +8,7 @@ import random
 import pytest
 
 from impasto import SamplingParams
-from impasto.engine.spec_config import SpeculativeConfig
+from impasto.config.speculative import SpeculativeConfig
 from tests.entrypoints.conftest import build_checkpoint
 
 from .conftest import generate, make_llm, metrics
@@ -99,11 +99,13 @@ def test_draft_cache_consistent_through_preemption_and_abort(tiny_llama):
         engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
     engine.add_request("doomed", {"prompt_token_ids": ps[0][:9]}, GREEDY)
     done: dict[str, list[int]] = {}
+    produced: dict[str, list[int]] = {}  # the engine's outputs are deltas: concatenate them
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
+            produced.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                done[out.request_id] = produced[out.request_id]
         steps += 1
         if steps == 6:
             engine.abort_request("doomed")

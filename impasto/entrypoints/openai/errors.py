@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from impasto.engine.engine_client import EngineDeadError, EngineRequestError
 from impasto.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from impasto.errors import InvalidParameterError
 
 logger = logging.getLogger("impasto")
 
@@ -58,8 +59,10 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(exc.message, exc.status, exc.param)
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 500)
+    if isinstance(exc, InvalidParameterError):  # every admission check raises this
+        return APIError(exc.message, 400, exc.param)
     if isinstance(exc, (ValueError, TypeError, OverflowError)):
-        return APIError(str(exc), 400, getattr(exc, "param", None))
+        return APIError(str(exc), 400)
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc), 501)
     logger.exception("internal error", exc_info=exc)

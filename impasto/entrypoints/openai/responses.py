@@ -54,12 +54,11 @@ async def respond(
     state: ServerState,
     raw: Request,
     runs: list[PromptRun],
-    priority: int,
     events: EventStream | None,
 ) -> Response | None:
     """Start `runs`; return the response to send now (499, or the SSE stream when `events` is
     given), or None once every run has been collected into `runs`."""
-    stream = merged(start_runs(state, runs, priority))
+    stream = merged(start_runs(state, runs))
     handed_off = False
     try:
         ok, first = await race_disconnect(raw, anext(stream, None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from impasto.engine.args import EngineArgs
+from impasto.config.engine_args import EngineArgs
 from impasto.engine.engine_client import AsyncEngineClient
 from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
@@ -39,7 +40,6 @@ class ServeConfig:
     access_log: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
-    max_logprobs: int = 20
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -76,7 +76,7 @@ async def serve(cfg: ServeConfig) -> int:
     model_path = resolve_model(args.model)  # fetches the default model once, before spawning
     default = args.model is None or args.model in DEFAULT_MODEL_ALIASES
     names = cfg.served_model_name or [DEFAULT_MODEL_NAME if default else str(args.model)]
-    args.model = str(model_path)
+    args = dataclasses.replace(args, model=str(model_path))
     # The engine keeps torch's default threads (all cores): measured on a 2-core machine, one
     # thread left to the API process cost 20-40 % of output tokens/s at every concurrency.
     client = AsyncEngineClient(args, log_level=cfg.log_level)
@@ -95,9 +95,7 @@ async def serve(cfg: ServeConfig) -> int:
             tokenizer_task.cancel()
         raise
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
-    state = ServerState(
-        client, tokenizer, names, ServerMetrics(names[0]), max_logprobs=cfg.max_logprobs
-    )
+    state = ServerState(client, tokenizer, names, ServerMetrics(names[0]))
     app = build_app(state, cfg.api_key, cfg.max_body_bytes)
 
     @contextlib.asynccontextmanager

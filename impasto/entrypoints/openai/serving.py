@@ -1,8 +1,9 @@
 """What completions and chat completions share: admission checks, sampling parameters,
 logprob formatting, stream plumbing and client-disconnect handling.
 
-Invariant: everything a request can get wrong is checked here, before the engine sees it, and
-raised as `APIError(400, param)`; the engine's own admission checks are a second line.
+Invariant: everything a request can get wrong is found by the engine's one admission path
+(`InputProcessor`, run here in the API process) before the engine process sees it, and raised
+as `InvalidParameterError`, which the app maps to a 400 with its `param` in one place.
 """
 
 from __future__ import annotations
@@ -17,17 +18,15 @@ from fastapi import Request
 
 from impasto.engine import ipc
 from impasto.engine.engine_client import AsyncEngineClient
+from impasto.engine.processor import EngineRequest, InputProcessor
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from impasto.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from impasto.errors import InvalidParameterError
 from impasto.sampling_params import SamplingParams
 
-_PARAM_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-    "logit_bias",
-)  # fmt: skip
+# Request fields an endpoint maps itself (different names or meaning per endpoint).
+_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "detokenize"})
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI reports this floor
 
 
@@ -37,8 +36,12 @@ class ServerState:
     tokenizer: Any
     served_model_names: list[str]
     metrics: ServerMetrics
-    max_logprobs: int = 20
     max_n: int = 128
+    processor: InputProcessor = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.client.model_config is not None, "the engine has not started"
+        self.processor = InputProcessor(self.client.model_config, self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -48,68 +51,36 @@ class ServerState:
         if model is not None and model not in self.served_model_names:
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
-    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
-        limit = self.client.max_model_len
-        if not ids:
-            raise APIError("The prompt is empty: at least one token is needed.", 400, param)
-        if len(ids) >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {len(ids)} input tokens. Please reduce the length of the input messages.",
-                400,
-                "input_tokens",
-            )
-        vocab = self.client.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"Token id {bad[0]} is out of vocabulary (size {vocab}).", 400, param)
-
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_len: int
-    ) -> dict[str, Any]:
-        """Validated SamplingParams keyword arguments for one prompt."""
-        kw: dict[str, Any] = {}
-        for name in _PARAM_FIELDS:
-            value = getattr(req, name)
-            if value is not None:
-                kw[name] = value
+        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """The request's SamplingParams: every sampling field it sets (declared or passed as an
+        extra, as `extra_body` does) goes through, type-checked by SamplingParams itself."""
         if req.n > self.max_n:
-            raise APIError(f"n must be at most {self.max_n}, got {req.n}.", 400, "n")
-        if logprobs is not None and logprobs > self.max_logprobs:
-            raise APIError(
-                f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
-                f"{self.max_logprobs}",
-                400,
-                "logprobs",
-            )
-        kw["logprobs"] = logprobs
-        kw["max_tokens"] = max_tokens
-        try:
-            SamplingParams(**kw)
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e), 400, getattr(e, "param", None)) from e
-        limit = self.client.max_model_len
-        if max_tokens is None:
-            kw["max_tokens"] = limit - prompt_len
-        elif prompt_len + max_tokens > limit:
-            raise APIError(
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
-                f"model's maximum context length is {limit} tokens and your request has "
-                f"{prompt_len} input tokens ({max_tokens} > {limit} - {prompt_len}).",
-                400,
-                "max_tokens",
-            )
-        vocab = self.client.vocab_size
-        bad = [t for t in req.stop_token_ids or [] if t >= vocab]
-        if bad:
-            raise APIError(
-                f"token id(s) {bad} in stop_token_ids are out of vocabulary.", 400, "stop_token_ids"
-            )
-        for key in req.logit_bias or {}:
-            if key.strip().lstrip("-").isdigit() and int(key) >= vocab:
-                msg = f"token id {key} in logit_bias is out of vocabulary."
-                raise APIError(msg, 400, "logit_bias")
-        return kw
+            raise InvalidParameterError("n", f"n must be at most {self.max_n}, got {req.n}.")
+        values: dict[str, Any] = {}
+        given = {**dict(req), **(req.model_extra or {})}
+        for name in SamplingParams.user_fields():
+            if name not in _ENDPOINT_FIELDS and given.get(name) is not None:
+                values[name] = given[name]
+        values["logprobs"] = logprobs
+        values["max_tokens"] = max_tokens
+        return SamplingParams.from_fields(values)
+
+    def admit(
+        self, request_id: str, ids: list[int], params: SamplingParams, priority: int
+    ) -> EngineRequest:
+        """The admission path (the engine's own): an unset max_tokens means the rest of the
+        context, and one that does not fit is a 400 (OpenAI's rule)."""
+        if params.max_tokens is None:
+            params.max_tokens = max(self.client.max_model_len - len(ids), 1)
+        return self.processor.process(
+            request_id,
+            {"prompt_token_ids": ids},
+            params,
+            priority=priority,
+            max_tokens_fit=True,
+        )
 
     def token_str(self, token_id: int, decoded: str | None) -> str:
         if decoded is not None:
@@ -151,9 +122,7 @@ class Choice:
 class PromptRun:
     """One prompt in flight: its engine stream, choices and timing."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: dict[str, Any]
+    request: EngineRequest
     timer: RequestTimer
     choices: list[Choice] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -190,7 +159,7 @@ def close_runs(runs: list[PromptRun], exc: BaseException | None) -> None:
 
 
 def usage_of(runs: list[PromptRun]) -> UsageInfo:
-    prompt = sum(len(r.prompt_ids) for r in runs)
+    prompt = sum(len(r.request.prompt_token_ids) for r in runs)
     completion = sum(len(c.token_ids) for r in runs for c in r.choices)
     cached = sum(r.num_cached_tokens for r in runs)
     details = {"cached_tokens": cached} if cached else None
@@ -202,10 +171,8 @@ def usage_of(runs: list[PromptRun]) -> UsageInfo:
     )
 
 
-def start_runs(state: ServerState, runs: list[PromptRun], priority: int) -> list[AsyncIterator]:
-    return [
-        state.client.generate(r.request_id, r.prompt_ids, None, r.params, priority) for r in runs
-    ]
+def start_runs(state: ServerState, runs: list[PromptRun]) -> list[AsyncIterator]:
+    return [state.client.generate(r.request) for r in runs]
 
 
 async def merged(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, ipc.RequestDelta]]:

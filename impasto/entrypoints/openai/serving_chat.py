@@ -107,7 +107,6 @@ async def create_chat_completion(
         req.continue_final_message,
         req.chat_template_kwargs,
     )
-    state.check_prompt(ids, "messages")
     # max_completion_tokens is the current name, max_tokens the deprecated one.
     max_tokens = req.max_completion_tokens
     if max_tokens is None:
@@ -116,10 +115,11 @@ async def create_chat_completion(
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
     logprobs = top_n if req.logprobs else None
-    params = state.sampling_params(req, max_tokens, logprobs, len(ids))
+    params = state.sampling_params(req, max_tokens, logprobs)
     base_id = new_id("chatcmpl")
+    request = state.admit(base_id, ids, params, req.priority)
     timer = RequestTimer(state.metrics, len(ids))
-    run = PromptRun(base_id, ids, params, timer, [Choice(j) for j in range(req.n)])
+    run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])
     events = None
     if req.stream:
         head = {"id": base_id, "object": "chat.completion.chunk", "created": int(time.time())}
@@ -130,7 +130,7 @@ async def create_chat_completion(
         ]
         prelude = [{"choices": [{**r, "finish_reason": None} for r in roles]}]
         events = EventStream(head, req.stream_options, _choice_chunks(state, req), prelude)
-    response = await respond(state, raw, [run], req.priority, events)
+    response = await respond(state, raw, [run], events)
     if response is not None:
         return response
     choices = []

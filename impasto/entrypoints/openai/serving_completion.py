@@ -79,10 +79,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     base_id = new_id("cmpl")
     runs, texts = [], []
     for i, (text, ids) in enumerate(_prompts(state, req)):
-        state.check_prompt(ids)
-        params = state.sampling_params(req, req.max_tokens, req.logprobs, len(ids))
+        params = state.sampling_params(req, req.max_tokens, req.logprobs)
+        request = state.admit(f"{base_id}-{i}", ids, params, req.priority)
         timer = RequestTimer(state.metrics, len(ids))
-        run = PromptRun(f"{base_id}-{i}", ids, params, timer, [Choice(j) for j in range(req.n)])
+        run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])
         runs.append(run)
         if req.echo and text is None and state.tokenizer is not None:
             text = state.tokenizer.decode(ids)
@@ -92,7 +92,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         head = {"id": base_id, "object": "text_completion", "created": int(time.time())}
         head["model"] = state.model_name
         events = EventStream(head, req.stream_options, _choice_chunks(state, req, texts))
-    response = await respond(state, raw, runs, req.priority, events)
+    response = await respond(state, raw, runs, events)
     if response is not None:
         return response
     choices = []

@@ -1,16 +1,20 @@
-"""Paged attention layer: routes one layer's q/k/v to the attention backend for this step."""
+"""Paged attention layer: routes one layer's q/k/v to the step's attention backend.
+
+The backend and its plan for the step come from the forward context (see
+`impasto.attention.metadata`), never from the model: which backend runs is the runner's choice.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from impasto.attention.backend import AttentionBackend, get_attention_backend
 from impasto.attention.metadata import get_forward_context
 
 
 class Attention(nn.Module):
-    """Holds no weights. Reads `kv_caches[layer_idx]` and the metadata of the forward context."""
+    """Holds no weights. Reads `kv_caches[layer_idx]`, the metadata, the backend and its plan
+    from the forward context."""
 
     def __init__(
         self,
@@ -22,7 +26,6 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
-        backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -32,18 +35,18 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        self.backend = backend or get_attention_backend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq(*D)], k/v [T, Hkv(*D)] (views allowed) -> [T, Hq*D]."""
         ctx = get_forward_context()
         t, d = q.shape[0], self.head_dim
-        return self.backend.forward(
+        return ctx.backend.forward(
             q.view(t, self.num_heads, d),
             k.view(t, self.num_kv_heads, d),
             v.view(t, self.num_kv_heads, d),
             ctx.kv_caches[self.layer_idx],
             ctx.metadata,
+            ctx.plan,
             scale=self.scale,
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,

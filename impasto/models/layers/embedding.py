@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from impasto.models.layers.packed import plain_linear
+from impasto.models.layers.device_hooks import LinearFn
+from impasto.models.layers.packed import SwappableLinear, plain_linear
 from impasto.models.layers.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
 
 
@@ -40,14 +41,14 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out * inside[:, None].to(out.dtype))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(SwappableLinear, VocabParallelEmbedding):
     """logits = h W^T; `tie_to` shares the embedding's weight (tied word embeddings)."""
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tie_to: VocabParallelEmbedding | None = None
     ) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.linear = plain_linear  # swapped for the packed kernel by `prepack_linear_weights`
+        self.linear: LinearFn = plain_linear  # swapped by `pack_weights` / `use_kernels`
         if tie_to is not None:
             self.weight = tie_to.weight
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from impasto.models.layers.packed import plain_linear
+from impasto.models.layers.device_hooks import LinearFn
+from impasto.models.layers.packed import SwappableLinear, plain_linear
 from impasto.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 
@@ -27,15 +28,18 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-class LinearBase(nn.Module):
-    """y = x W^T + b with W [out_local, in_local]. `tp_dim`: the dimension sharded (0/1/None)."""
+class LinearBase(SwappableLinear, nn.Module):
+    """y = x W^T + b with W [out_local, in_local]. `tp_dim`: the dimension sharded (0/1/None).
+
+    `linear` is F.linear until device preparation swaps it (packed.py: oneDNN or the kernels'
+    bf16 GEMM)."""
 
     tp_dim: int | None = None
     shard_ids: tuple = (None,)  # shards a checkpoint must provide for each parameter
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
-        self.linear = plain_linear  # swapped for the packed kernel by `prepack_linear_weights`
+        self.linear: LinearFn = plain_linear  # swapped by `pack_weights` / `use_kernels`
         self.weight = _param(out_local, in_local)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = _param(out_local) if bias else None

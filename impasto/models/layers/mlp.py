@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from impasto.models.layers.device_hooks import FusedOps
 from impasto.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from impasto.models.layers.parallel import divide, tp_size
 
@@ -18,9 +17,6 @@ FUSED_SILU_MAX_ROWS = 64
 
 
 class SwiGLUMLP(nn.Module):
-    fusable = True
-    fused_ops: Any = None  # set by `impasto.kernels.install`: SiLU * up in one kernel
-
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
         if act not in ("silu", "swish"):
@@ -28,6 +24,11 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.local = divide(intermediate, tp_size())
+        self.fused_ops: FusedOps | None = None  # `use_kernels`: SiLU * up in one kernel
+
+    def use_kernels(self, ops: FusedOps) -> bool:
+        self.fused_ops = ops
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I_local]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from impasto.models.layers.device_hooks import FusedOps
 
 
 class RMSNorm(nn.Module):
@@ -16,18 +16,20 @@ class RMSNorm(nn.Module):
     `forward(x, residual)` first does `x = x + residual` and returns `(norm(x), x)`, so that
     decoder layers carry the residual stream without an extra add kernel.
 
-    `fused_ops` (set by `impasto.kernels.install` on bf16 CPU models) does either in one
-    kernel; subclasses that change the formula set `fusable = False`.
+    `use_kernels(ops)` (device preparation, bf16 CPU models) does either in one kernel;
+    subclasses that change the formula override it to decline.
     """
-
-    fusable = True
-    fused_ops: Any = None
 
     def __init__(self, dim: int, eps: float = 1e-6, *, gemma: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.gemma = gemma
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.fused_ops: FusedOps | None = None
+
+    def use_kernels(self, ops: FusedOps) -> bool:
+        self.fused_ops = ops
+        return True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gemma:  # bit-identical to HF in float32; bf16 skips one rounding step

@@ -9,6 +9,10 @@ float32 goes through MKL already and stays the reference path for exactness test
 After packing, a layer's `weight` parameter holds the packed (`torch._mkldnn` layout) tensor
 and its `linear` attribute is `packed_linear`; nothing else reads packed weights.
 `IMPASTO_CPU_PACKED_WEIGHTS=0` turns packing off (benchmarks compare both paths in one run).
+
+`SwappableLinear` is the layers' side of it: the hooks (`device_hooks.py`) that pack a layer's
+weight or point it at the kernels' bf16 GEMM. Invariant: a layer's matmul is swapped at most
+once, away from `plain_linear`; packed layers keep oneDNN.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from impasto.models.layers.device_hooks import FusedOps, LinearFn
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -62,19 +68,27 @@ def packed_linear(
 plain_linear = F.linear  # an alias, not a wrapper: no extra Python frame per call
 
 
-def prepack_linear_weights(model: nn.Module) -> int:
-    """Pack every packable layer of `model` (those with a `linear` attribute); returns a count.
+class SwappableLinear:
+    """Mixin of modules computing `self.linear(x, self.weight, ...)`: implements
+    `PacksWeights` and `UsesKernels` by swapping `linear` (and, packed, `weight`)."""
 
-    Idempotent. A tied LM head gets its own packed copy; the embedding keeps the plain table
-    it needs for lookups.
-    """
-    count = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if getattr(module, "linear", None) is not plain_linear or weight is None:
-            continue
-        if can_pack(weight):
-            module.weight = pack(weight)
-            module.linear = packed_linear
-            count += 1
-    return count
+    weight: torch.Tensor
+    linear: LinearFn
+
+    def pack_weights(self) -> bool:
+        """Pack for oneDNN where the CPU supports it. A tied LM head gets its own packed copy;
+        the embedding keeps the plain table it needs for lookups."""
+        if self.linear is not plain_linear or not can_pack(self.weight):
+            return False
+        self.weight = pack(self.weight)
+        self.linear = packed_linear
+        return True
+
+    def use_kernels(self, ops: FusedOps) -> bool:
+        """The skinny bf16 GEMM for plain bf16 weights: it streams the weights at close to the
+        memory bandwidth where PyTorch's bf16 matmul reaches about half of it (and is slower
+        still with more rows; docs/benchmarks.md). Packed layers keep oneDNN."""
+        if self.linear is not plain_linear or self.weight.dtype != torch.bfloat16:
+            return False
+        self.linear = ops.linear_bf16
+        return True

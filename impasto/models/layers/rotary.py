@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from impasto.models.layers.device_hooks import FusedOps
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """HF rope settings as one dict (transformers 5 `rope_parameters`, or 4.x fields)."""
@@ -49,14 +51,16 @@ def inv_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:  # [
 
 
 class RotaryEmbedding(nn.Module):
-    fusable = True
-    fused_ops: Any = None  # set by `impasto.kernels.install`: in-place rotation in one kernel
-
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.inv_freq = inv_frequencies(head_dim, params)  # float32, not a buffer (see above)
         self.rot_dim = 2 * self.inv_freq.numel()
+        self.fused_ops: FusedOps | None = None  # `use_kernels`: in-place rotation in one kernel
+
+    def use_kernels(self, ops: FusedOps) -> bool:
+        self.fused_ops = ops
+        return True
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[T] -> [2, T, 1, rot_dim]: (cos | cos, -sin | sin), float32 math then cast like HF."""

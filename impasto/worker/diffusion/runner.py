@@ -11,8 +11,9 @@ Phase is the runner's own state (`RequestState.phase`), never inferred from quer
   sampled (the scheduler truncates it at EOS / stop / max_tokens / max_model_len); a new
   canvas is drawn after it -> DENOISE.
 
-Preemption resets the phase to PREFILL and drops the canvas (`RequestState.extra`); since the
-draws depend only on (seed, canvas start, step), the resumed request redoes the same canvas.
+Preemption resets the phase to PREFILL and drops the canvas (`RequestState.on_preempted`);
+since the draws depend only on (seed, canvas start, step), the resumed request redoes the same
+canvas.
 
 The canvases denoised in one step share their vocabulary-sized work: one LM head product, one
 pass of the sampler's per-position kernel and one self-conditioning product per chunk of
@@ -28,9 +29,9 @@ import numpy as np
 import torch
 
 from impasto import kernels
-from impasto.attention.metadata import forward_context
+from impasto.config.diffusion import DiffusionConfig
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput
-from impasto.engine.diffusion_config import DiffusionConfig
+from impasto.models.interface import DiffusionLM
 from impasto.worker.diffusion.sampler import (
     CanvasJob,
     CanvasState,
@@ -38,6 +39,7 @@ from impasto.worker.diffusion.sampler import (
     StepResult,
     random_canvas,
 )
+from impasto.worker.forward import model_forward
 from impasto.worker.model_runner import ModelRunner
 from impasto.worker.request_state import Phase, RequestState
 
@@ -61,7 +63,11 @@ class DiffusionStats:
 
 
 class DiffusionModelRunner(ModelRunner):
-    def __init__(self, model, *, diffusion_config: DiffusionConfig, seed: int = 0, **kwargs):
+    model: DiffusionLM
+
+    def __init__(
+        self, model: DiffusionLM, *, diffusion_config: DiffusionConfig, seed: int = 0, **kwargs
+    ):
         super().__init__(model, seed=seed, **kwargs)
         self.config = diffusion_config
         self.canvas_length = diffusion_config.canvas_length
@@ -69,20 +75,44 @@ class DiffusionModelRunner(ModelRunner):
         self.vocab = int(model.vocab_size)
         # The sampler's row kernel and soft-capping serve every dtype on CPU (float32 math).
         ops = kernels.load() if self.device.type == "cpu" else None
-        model.fused_ops = ops
+        model.use_kernels(ops)
         self.canvas_sampler = DiffusionSampler(diffusion_config, self.vocab, ops)
         self.stats = DiffusionStats()
         self._workspace = torch.empty(0, device=self.device)  # grown on demand, kept
+
+    def take_stats(self) -> dict[str, float]:
+        """The canvas counters since the previous call, as metric increments."""
+        stats = self.stats.take()
+        return {
+            "impasto:diffusion_denoising_steps": stats.denoising_steps,
+            "impasto:diffusion_canvas_positions": stats.canvas_positions,
+            "impasto:diffusion_canvases_committed": stats.canvases_committed,
+            "impasto:diffusion_committed_tokens": stats.committed_tokens,
+        }
 
     def _seed(self, state: RequestState) -> int:
         s = state.sampling_params.seed
         return self.seed if s is None else int(s)
 
+    @staticmethod
+    def _canvas(state: RequestState) -> CanvasState:
+        canvas = state.resident.canvas
+        if canvas is None:  # DENOISE / COMMIT always have one: set on leaving PREFILL
+            raise RuntimeError(f"request {state.req_id}: no canvas in phase {state.phase.name}")
+        return canvas
+
+    @staticmethod
+    def _committing(canvas: CanvasState) -> torch.Tensor:
+        """The argmax canvas a COMMIT step writes (set by the step that converged)."""
+        if canvas.argmax is None:
+            raise RuntimeError(f"canvas at {canvas.start} committed before any denoising step")
+        return canvas.argmax
+
     def _new_canvas(self, state: RequestState) -> CanvasState:
         start = state.num_tokens
         tokens = random_canvas(self.vocab, self.canvas_length, self._seed(state), start, -1)
         canvas = CanvasState(start, tokens)
-        state.extra["canvas"] = canvas
+        state.resident.canvas = canvas
         state.phase = Phase.DENOISE
         return canvas
 
@@ -99,8 +129,8 @@ class DiffusionModelRunner(ModelRunner):
         phases = [self._check_phase(s, so, int(n)) for s, n in zip(states, num_sched, strict=True)]
         for b, (state, phase) in enumerate(zip(states, phases, strict=True)):
             if phase is not Phase.PREFILL:  # the canvas follows the committed tokens
-                c: CanvasState = state.extra["canvas"]
-                toks = c.argmax if phase is Phase.COMMIT else c.tokens
+                c = self._canvas(state)
+                toks = self._committing(c) if phase is Phase.COMMIT else c.tokens
                 n, row = int(num_sched[b]), int(rows[b])
                 if c.start != batch.num_tokens[row]:  # invariant: it follows the committed tokens
                     raise RuntimeError(
@@ -120,7 +150,8 @@ class DiffusionModelRunner(ModelRunner):
             for b in denoise:
                 meta.causal[b] = False
             sc_soft = self._soft_inputs([states[b] for b in denoise], num_sched[denoise])
-        with forward_context(meta, self.kv_caches):
+        # The step's attention plan is built here, after the denoise rows' edits above.
+        with model_forward(self.attn_backend, meta, self.kv_caches):
             hidden = self.model(input_ids, meta.positions, sc_rows, sc_soft)
 
         canvases = iter(
@@ -140,11 +171,11 @@ class DiffusionModelRunner(ModelRunner):
                 sampled.append([])
                 spec.append(next(canvases))
             else:  # COMMIT: its KV was written by this causal pass
-                toks = state.extra["canvas"].argmax[:n].tolist()
-                batch.append_tokens(row, toks)
+                committed = self._committing(self._canvas(state))[:n].tolist()
+                batch.append_tokens(row, committed)
                 self.stats.canvases_committed += 1
                 self.stats.committed_tokens += n
-                sampled.append(toks)
+                sampled.append(committed)
                 spec.append(self._new_canvas(state).tokens.tolist())
         return ModelRunnerOutput(req_ids, sampled, spec)
 
@@ -156,7 +187,7 @@ class DiffusionModelRunner(ModelRunner):
                 # A canvas is all-or-nothing: a running canvas is never scheduled partially.
                 raise RuntimeError(f"request {state.req_id}: {n} tokens without its canvas")
             return Phase.PREFILL
-        canvas: CanvasState | None = state.extra.get("canvas")
+        canvas = state.resident.canvas
         if state.phase is Phase.PREFILL or canvas is None:
             raise RuntimeError(f"request {state.req_id}: canvas scheduled before its prefill")
         expected = min(self.canvas_length, self.max_model_len - canvas.start)
@@ -172,7 +203,7 @@ class DiffusionModelRunner(ModelRunner):
         h = self.model.hidden_size
         parts = []
         for state, n in zip(states, lens, strict=True):
-            soft = state.extra["canvas"].soft
+            soft = self._canvas(state).soft
             if soft is None:
                 soft = torch.zeros(int(n), h, dtype=self.kv_caches[0].dtype, device=self.device)
             parts.append(soft[: int(n)])
@@ -198,7 +229,7 @@ class DiffusionModelRunner(ModelRunner):
             h = hidden.index_select(0, rows[start : start + n])  # [n, H]
             logits = self.model.compute_logits(h, out=self._logits_buffer(n))  # [n, V] fp32
             jobs = [
-                CanvasJob(s.extra["canvas"], v, self._seed(s))
+                CanvasJob(self._canvas(s), v, self._seed(s))
                 for s, v in zip(states[i:j], lens[i:j], strict=True)
             ]
             results, probs = self.canvas_sampler.step_many(logits, jobs)
@@ -225,7 +256,7 @@ class DiffusionModelRunner(ModelRunner):
             soft_parts = iter(soft.split([results[k].probs.shape[0] for k in going]))
         out = []
         for state, res in zip(states, results, strict=True):
-            canvas: CanvasState = state.extra["canvas"]
+            canvas = self._canvas(state)
             valid = res.probs.shape[0]
             self.stats.denoising_steps += 1
             self.stats.canvas_positions += valid

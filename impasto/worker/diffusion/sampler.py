@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from impasto.engine.diffusion_config import DiffusionConfig
+from impasto.config.diffusion import DiffusionConfig
 
 _MASK64 = (1 << 64) - 1
 STREAM_INIT, STREAM_SAMPLE, STREAM_RENOISE = 0, 1, 2

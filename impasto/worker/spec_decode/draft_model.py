@@ -7,7 +7,7 @@ request, and preemption, abort and prefix caching need no bookkeeping of their o
 freed for the target is freed for the draft; a request resumes from its prefix hit for both).
 
 Invariant (end of every step): for each running request, the draft cache holds the draft's KV
-of every committed position below `draft_kv` (state.extra), and `draft_kv >= ` the target's
+of every committed position below `state.resident.draft.kv_end`, and that is `>=` the target's
 computed tokens. It follows that every full block the prefix cache hands out also holds the
 draft's KV. Each step the draft first catches up on [draft_kv, end) - prefill chunks included,
 so a cached block never lacks draft KV - then drafts; the KV it wrote for its own drafts
@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
-from impasto.attention.metadata import forward_context
-from impasto.engine.spec_config import SpeculativeConfig
+from impasto.attention.registry import get_attention_backend
+from impasto.config.speculative import SpeculativeConfig
+from impasto.models.interface import CausalLM
 from impasto.sampling_params import SamplingParams
 from impasto.worker import sampling_ops as ops
 from impasto.worker.attn_inputs import build_attention_metadata
+from impasto.worker.forward import model_forward
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.kv_cache import allocate_kv_caches
+from impasto.worker.request_state import DraftState
 from impasto.worker.sampler import Sampler, SamplingMetadata
 from impasto.worker.spec_decode.proposer import Proposer, StepResult
 from impasto.worker.spec_decode.rejection_sampler import DRAFT_STREAM
@@ -36,7 +38,7 @@ class DraftModelProposer(Proposer):
     def __init__(
         self,
         config: SpeculativeConfig,
-        model: nn.Module,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,
@@ -47,6 +49,7 @@ class DraftModelProposer(Proposer):
     ) -> None:
         super().__init__(config, max_model_len)
         self.model = model
+        self.attn_backend = get_attention_backend()  # the registry's default
         self.device = torch.device(device)
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, dtype, self.device)
@@ -66,11 +69,11 @@ class DraftModelProposer(Proposer):
         ).astype(np.int64)
         for b in range(len(rows)):
             state = batch.states[int(rows[b])]
-            prev = state.extra.get("draft_kv")
+            prev = state.resident.draft
             if prev is None:  # new or resumed: the prefix hit holds the draft's KV too
                 begin[b] = step.start[b]
                 continue
-            kv_end, t_prev, k_prev = prev
+            kv_end, t_prev, k_prev = prev.kv_end, prev.last_end, prev.num_drafted
             accepted = len(step.sampled[b]) - 1 if step.drafts[b] else 0
             # The KV of accepted drafts d1..d_{k_prev-1} (positions t_prev..) is still valid.
             begin[b] = max(kv_end, t_prev + min(max(accepted, 0), max(k_prev - 1, 0)))
@@ -104,11 +107,8 @@ class DraftModelProposer(Proposer):
         for b in range(len(rows)):
             state = batch.states[int(rows[b])]
             # KV is valid below end[b]; positions end[b].. hold drafts[b][:-1].
-            state.extra["draft_kv"] = (int(end[b]), int(end[b]), len(drafts[b]))
-            if probs[b]:
-                state.extra["draft_probs"] = torch.stack(probs[b])  # [k, V]
-            else:
-                state.extra.pop("draft_probs", None)
+            q = torch.stack(probs[b]) if probs[b] else None  # [k, V]
+            state.resident.draft = DraftState(int(end[b]), int(end[b]), len(drafts[b]), q)
         return drafts
 
     def _forward(
@@ -123,7 +123,7 @@ class DraftModelProposer(Proposer):
             batch.block_table, rows, start, qlens, self.block_size, self.device
         )
         dev = self.device
-        with forward_context(meta, self.kv_caches):
+        with model_forward(self.attn_backend, meta, self.kv_caches):
             return self.model(torch.from_numpy(np.maximum(ids, 0)).to(dev), meta.positions)
 
     def _sample(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from impasto.engine.spec_config import SpeculativeConfig
+from impasto.config.speculative import SpeculativeConfig
 from impasto.worker.input_batch import InputBatch
 from impasto.worker.spec_decode.proposer import Proposer, StepResult
 
@@ -82,9 +82,9 @@ class NgramProposer(Proposer):
                 continue
             row = int(step.rows[b])
             state = batch.states[row]
-            index = state.extra.get("ngram")
+            index = state.resident.ngram
             if index is None:
-                index = state.extra["ngram"] = NgramIndex(self.lo, self.hi)
+                index = state.resident.ngram = NgramIndex(self.lo, self.hi)
             length = int(batch.num_tokens[row])
             tokens = batch.token_ids[row]  # committed tokens are tokens[:length]
             # The suffix itself (ending at length - 1) must not match itself: index up to it.

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from impasto.engine.spec_config import SpeculativeConfig
+from impasto.config.speculative import SpeculativeConfig
 from impasto.worker.input_batch import InputBatch
-from impasto.worker.request_state import RequestState
+from impasto.worker.request_state import RequestState, SpecPolicyState
 
 _DECAY = 0.8  # weight of the past in the acceptance estimate, per verification step
 _PRIOR = (4.0, 5.0)  # (accepted, trials): a new request starts at alpha = 0.8
@@ -195,7 +195,10 @@ _SAFETY = 1.3
 
 def _policy(state: RequestState, drafted: int, accepted: int, tau: float, k_max: int) -> int:
     """Update the request's acceptance estimate with this step's result; return its next k."""
-    acc, trials, cooldown, idle = state.extra.get("spec_policy", (*_PRIOR, 0, 0))
+    policy = state.resident.spec_policy
+    if policy is None:
+        policy = state.resident.spec_policy = SpecPolicyState(*_PRIOR)
+    acc, trials, cooldown, idle = policy.accepted, policy.trials, policy.cooldown, policy.idle
     if drafted > 0:
         # Geometric model: `accepted` successes, then one failure unless all were accepted.
         acc = _DECAY * acc + accepted
@@ -214,5 +217,5 @@ def _policy(state: RequestState, drafted: int, accepted: int, tau: float, k_max:
             k, idle = 1, 0  # probe
     else:
         cooldown = idle = 0
-    state.extra["spec_policy"] = (acc, trials, cooldown, idle)
+    policy.accepted, policy.trials, policy.cooldown, policy.idle = acc, trials, cooldown, idle
     return k

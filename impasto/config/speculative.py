@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from impasto.sampling_params import SamplingParams
+from impasto.errors import InvalidParameterError
 
 _KEYS = {
     "method",
@@ -36,6 +36,10 @@ _KEYS = {
 }
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 15  # 1 + K query tokens per request stay on the short-query path
+
+
+def _bad(message: str) -> InvalidParameterError:
+    return InvalidParameterError("speculative_config", message)
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,10 @@ class SpeculativeConfig:
         if isinstance(raw, SpeculativeConfig):
             return raw
         if not isinstance(raw, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(raw).__name__}.")
+            raise _bad(f"speculative_config must be a dict, got {type(raw).__name__}.")
         unknown = sorted(set(raw) - _KEYS)
         if unknown:
-            raise ValueError(
+            raise _bad(
                 f"speculative_config: unknown key(s) {', '.join(unknown)}; "
                 f"supported: {', '.join(sorted(_KEYS))}."
             )
@@ -78,48 +82,46 @@ class SpeculativeConfig:
         elif method is None and model is not None:
             method = "draft_model"
         if method not in METHODS:
-            raise ValueError(
+            raise _bad(
                 f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}."
             )
         k = raw.get("num_speculative_tokens")
         if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
+            raise _bad(
                 "speculative_config: num_speculative_tokens must be an integer in "
                 f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}."
             )
         for key in ("draft_tensor_parallel_size",):
             if raw.get(key, 1) != 1:
-                raise ValueError(f"speculative_config: {key} > 1 is not supported.")
+                raise _bad(f"speculative_config: {key} > 1 is not supported.")
         if raw.get("quantization") is not None:
-            raise ValueError("speculative_config: quantization of the draft is not supported.")
+            raise _bad("speculative_config: quantization of the draft is not supported.")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         if method == "ngram":
             if model is not None:
-                raise ValueError("speculative_config: method 'ngram' takes no 'model'.")
+                raise _bad("speculative_config: method 'ngram' takes no 'model'.")
             lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
             if type(lo) is not int or type(hi) is not int or not 1 <= lo <= hi:
-                raise ValueError(
+                raise _bad(
                     "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"{raw.get('prompt_lookup_min')!r} and {raw.get('prompt_lookup_max')!r}."
                 )
         else:
             if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: method 'draft_model' needs a 'model' path.")
+                raise _bad("speculative_config: method 'draft_model' needs a 'model' path.")
             if lo is not None or hi is not None:
-                raise ValueError(
+                raise _bad(
                     "speculative_config: prompt_lookup_min/max only apply to method 'ngram'."
                 )
             lo = hi = 5
         disable = raw.get("disable_by_batch_size")
         if disable is not None and (type(disable) is not int or disable < 2):
-            raise ValueError(
-                f"speculative_config: disable_by_batch_size must be >= 2, got {disable!r}."
-            )
+            raise _bad(f"speculative_config: disable_by_batch_size must be >= 2, got {disable!r}.")
         flags = {}
         for key in ("uniform_spec_decode_padding", "acceptance_backoff"):
             if key in raw:
                 if not isinstance(raw[key], bool):
-                    raise ValueError(f"speculative_config: {key} must be a bool.")
+                    raise _bad(f"speculative_config: {key} must be a bool.")
                 flags[key] = raw[key]
         return cls(method, k, model, lo, hi, disable, **flags)
 
@@ -127,12 +129,12 @@ class SpeculativeConfig:
 def check_target_compat(config: SpeculativeConfig, *, diffusion: bool, max_model_len: int) -> None:
     """Combinations that cannot work, caught when the engine is built."""
     if diffusion:
-        raise ValueError(
+        raise _bad(
             "speculative_config cannot be combined with diffusion_config: a diffusion model "
             "already decodes a whole canvas per step."
         )
     if config.num_speculative_tokens + 1 >= max_model_len:
-        raise ValueError(
+        raise _bad(
             f"num_speculative_tokens ({config.num_speculative_tokens}) leaves no room in "
             f"max_model_len ({max_model_len})."
         )
@@ -140,20 +142,7 @@ def check_target_compat(config: SpeculativeConfig, *, diffusion: bool, max_model
 
 def check_draft_compat(target_vocab: int, draft_vocab: int, draft_model: str) -> None:
     if target_vocab != draft_vocab:
-        raise ValueError(
+        raise _bad(
             f"The draft model {draft_model!r} has a vocabulary of {draft_vocab} tokens but the "
             f"target has {target_vocab}: the draft must share the target's tokenizer."
         )
-
-
-def unsupported_sampling_param(params: SamplingParams) -> tuple[str, str] | None:
-    """(param, message) for a request that cannot run with speculation, else None. Checked at
-    admission so that such a request is refused with a 400, never failed mid-generation.
-
-    Every feature of the sampler is applied at each verified position (penalties, logit_bias,
-    min_tokens, min_p, top-k/top-p, seeds, logprobs, prompt_logprobs: the target's processed
-    distribution at row j sees drafts[:j]), so nothing is refused today; new sampling features
-    that the rejection sampler cannot honour must be refused here.
-    """
-    del params
-    return None

@@ -1,12 +1,14 @@
-"""Scheduler and cache configuration (vLLM's names)."""
+"""Scheduler and KV-cache configuration (vLLM's names): frozen, validated at construction."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+from impasto.errors import InvalidParameterError
 
-@dataclass
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
     max_num_batched_tokens: int = 8192
@@ -32,38 +34,56 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+                raise InvalidParameterError(
+                    name, f"{name} must be at least 1, got {getattr(self, name)}."
+                )
 
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             positive(name)
         if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is reserved): {self.num_blocks}.")
+            raise InvalidParameterError(
+                "num_blocks", f"num_blocks must be at least 2 (one is reserved): {self.num_blocks}."
+            )
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+            raise InvalidParameterError(
+                "policy", f"policy must be 'fcfs' or 'priority', got {self.policy!r}."
+            )
         if self.num_sampled_tokens_per_step not in (0, 1):
-            raise ValueError("num_sampled_tokens_per_step must be 0 (diffusion) or 1 (AR).")
+            raise InvalidParameterError(
+                "num_sampled_tokens_per_step",
+                "num_sampled_tokens_per_step must be 0 (diffusion) or 1 (AR).",
+            )
         if self.num_speculative_tokens < 0 or self.num_lookahead_tokens < 0:
-            raise ValueError("num_speculative_tokens and num_lookahead_tokens must be >= 0.")
+            raise InvalidParameterError(
+                "num_speculative_tokens",
+                "num_speculative_tokens and num_lookahead_tokens must be >= 0.",
+            )
         if self.is_diffusion and self.num_speculative_tokens < 1:
-            raise ValueError("a diffusion scheduler needs num_speculative_tokens = canvas length.")
+            raise InvalidParameterError(
+                "num_speculative_tokens",
+                "a diffusion scheduler needs num_speculative_tokens = canvas length.",
+            )
         if self.is_diffusion and self.max_num_batched_tokens < self.num_speculative_tokens:
-            raise ValueError(
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least the "
-                f"diffusion canvas length ({self.num_speculative_tokens})."
+                f"diffusion canvas length ({self.num_speculative_tokens}).",
             )
         capacity = (self.num_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
             # Otherwise a long request could end up alone, unable to grow, preempting itself.
-            raise ValueError(
+            raise InvalidParameterError(
+                "max_model_len",
                 f"The KV cache holds {capacity} tokens ({self.num_blocks - 1} blocks of "
                 f"{self.block_size}), fewer than max_model_len ({self.max_model_len}): one "
                 "request at full length would not fit. Increase the KV-cache size or decrease "
-                "max_model_len."
+                "max_model_len.",
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled."
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled.",
             )
 
     @property

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from impasto.sampling_params import SamplingParams
+from impasto.errors import InvalidParameterError
 
 _GENERATION_KEYS = (
     "max_denoising_steps",
@@ -34,8 +34,9 @@ class DiffusionConfig:
     confidence_threshold: float = 0.005  # mean entropy below which a stable canvas is done
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"diffusion_config.{name} {why}, got {getattr(self, name)!r}.")
+        def bad(name: str, why: str) -> InvalidParameterError:
+            message = f"diffusion_config.{name} {why}, got {getattr(self, name)!r}."
+            return InvalidParameterError("diffusion_config", message)
 
         for name in ("canvas_length", "max_denoising_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
@@ -74,43 +75,12 @@ class DiffusionConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides or {}) - names)
         if unknown:
-            raise ValueError(
-                f"unknown diffusion_config key(s) {unknown}; supported: {sorted(names)}"
+            raise InvalidParameterError(
+                "diffusion_config",
+                f"unknown diffusion_config key(s) {unknown}; supported: {sorted(names)}",
             )
         values.update(overrides or {})
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def validate_diffusion_params(params: SamplingParams) -> None:
-    """Reject, at admission, what the canvas sampler cannot honour. Raises ValueError with the
-    offending parameter in `err.param` (HTTP 400 upstream)."""
-
-    def bad(param: str, msg: str) -> ValueError:
-        err = ValueError(f"{param} {msg} (not supported by diffusion models)")
-        err.param = param  # type: ignore[attr-defined]
-        return err
-
-    checks = [
-        ("n", params.n != 1, "must be 1"),
-        ("presence_penalty", params.presence_penalty != 0.0, "must be 0"),
-        ("frequency_penalty", params.frequency_penalty != 0.0, "must be 0"),
-        ("repetition_penalty", params.repetition_penalty != 1.0, "must be 1"),
-        ("logit_bias", bool(params.logit_bias), "must be empty"),
-        ("min_p", params.min_p != 0.0, "must be 0"),
-        ("top_p", params.top_p != 1.0, "must be 1"),
-        ("top_k", params.top_k not in (0, -1), "must be disabled"),
-        ("logprobs", params.logprobs is not None, "must be unset"),
-        ("prompt_logprobs", params.prompt_logprobs is not None, "must be unset"),
-    ]
-    for param, failed, msg in checks:
-        if failed:
-            raise bad(param, msg)
-    if params.temperature != 1.0:
-        raise bad(
-            "temperature",
-            "must be 1.0: the temperature follows the denoising schedule "
-            "(set t_min / t_max in diffusion_config)",
-        )

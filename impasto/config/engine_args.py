@@ -1,0 +1,100 @@
+"""Engine arguments, with vLLM's names: what a user passes to `LLM(...)` or `impasto serve`.
+
+Frozen and validated at construction: every bad value raises `InvalidParameterError` naming
+the argument, before anything is loaded. `speculative_config` is parsed here (a dict in,
+a `SpeculativeConfig` out); what needs the checkpoint (max_model_len against the model's
+positions, the diffusion settings, the KV-cache size) is resolved once by the engine's setup
+into an `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from impasto.config.observability import ObservabilityConfig
+from impasto.config.parallel import ParallelConfig
+from impasto.config.speculative import SpeculativeConfig
+from impasto.errors import InvalidParameterError
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither a block count nor a budget is given
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    diffusion_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # CPU threads for torch (default: torch's choice)
+    served_model_name: str | None = None
+    max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, message: str) -> InvalidParameterError:
+            return InvalidParameterError(name, message)
+
+        if self.dtype not in DTYPES:
+            raise bad(
+                "dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}."
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", f"block_size must be a power of two, got {self.block_size}.")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad(name, f"{name} must be at least 1, got {value}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise bad("num_gpu_blocks_override", "num_gpu_blocks_override must be at least 2.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise bad("scheduling_policy", "scheduling_policy must be 'fcfs' or 'priority'.")
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
+            raise bad("max_logprobs", "max_logprobs must be an integer >= -1 (-1: no cap).")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad("device", f"device must be auto, cpu or cuda, got {self.device!r}.")
+        self.parallel_config()  # validates tensor_parallel_size and num_threads
+        if self.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)  # parsed once, here
+        if self.diffusion_config is not None and not isinstance(self.diffusion_config, dict):
+            raise bad("diffusion_config", "diffusion_config must be a dict.")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (None: speculation off)."""
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        return spec
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size, num_threads=self.num_threads
+        )
+
+    def observability_config(self) -> ObservabilityConfig:
+        return ObservabilityConfig(disable_log_stats=self.disable_log_stats)

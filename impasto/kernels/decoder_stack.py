@@ -1,0 +1,83 @@
+"""All decoder layers of a Llama-family model in one native call, for short-query steps.
+
+A batch-1 decode step of a 30-layer model is ~9 ms of weight streaming and, in the per-module
+path, ~6 ms of Python: about 25 module calls and op dispatches per layer (3-4 us each) around
+the fused kernels. `decoder_layers` (cpu_ops.cpp) runs the same kernels in the same order from
+C++, so a step taken by it gives the same bits as the per-module path with the kernels
+installed (tests/kernels/test_fused_stack.py checks exact equality).
+
+This module knows no model: `DecoderStack` is a plain description of the stack (each layer's
+tensors, which KV cache each layer uses, windows, head shapes, epsilon, scale) and `run` makes
+the native call. The model side (`impasto.models.llama_stack`) builds the description, decides
+whether its layers qualify, and asks the step's attention plan whether the fused paged
+attention takes the step.
+
+Layer computation (per layer, all norms RMSNorm with one epsilon, no soft-capping):
+h = norm(x + residual); qkv = h Wqkv (+b); [q/k per-head norms]; rotary on q, k; paged
+attention (writes the cache); o = attn Wo (+b); h, residual = norm(o + residual);
+x = down(silu(gate) * up)(h). Returns (the last layer's MLP output, the residual stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One layer's tensors, in the order of C++'s `enum LayerField` (absent ones None)."""
+
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: per-head RMSNorm on q and k before rotary
+    k_norm: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # [2I, H]: gate rows, then up rows
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class DecoderStack:
+    layers: Sequence[StackLayer]
+    layer_ids: list[int]  # each layer's index into the step's KV caches
+    windows: list[int]  # each layer's sliding window, 0 = none
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float  # every norm's epsilon (q/k norms included)
+    scale: float  # attention scale
+    weights: list[torch.Tensor | None] = field(init=False)  # all layers' fields, kernel order
+
+    def __post_init__(self) -> None:
+        if not (len(self.layers) == len(self.layer_ids) == len(self.windows)):
+            raise ValueError("a decoder stack needs one layer id and one window per layer")
+        names = [f.name for f in fields(StackLayer)]  # declaration order = kernel order
+        self.weights = [getattr(layer, n) for layer in self.layers for n in names]
+
+    def run(
+        self,
+        ops: Any,  # the kernels' op namespace (`impasto.kernels.ops()`)
+        x: torch.Tensor,  # [T, hidden] embeddings, bf16
+        cos_sin: torch.Tensor,  # [2, T, 1, rot_dim] rotary table
+        kv_caches: Sequence[torch.Tensor],  # the step's caches, indexed by layer id
+        slot_mapping: torch.Tensor,  # [T]
+        block_table: torch.Tensor,  # [B, max_blocks]
+        query_start_loc: torch.Tensor,  # [B + 1]
+        seq_lens: torch.Tensor,  # [B]
+        causal: torch.Tensor,  # [B] bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (last MLP output, residual stream), [T, hidden]
+        caches = [kv_caches[i] for i in self.layer_ids]
+        return ops.decoder_layers(
+            x, cos_sin, self.weights, caches, slot_mapping, block_table, query_start_loc,
+            seq_lens, causal, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            self.scale, self.windows,
+        )  # fmt: skip

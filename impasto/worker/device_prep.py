@@ -1,0 +1,50 @@
+"""Prepare a loaded model for its device: pack weights, then point layers at the CPU kernels.
+
+`impasto.kernels` only builds the ops, and layers only expose typed hooks
+(`impasto.models.layers.device_hooks`); this module walks a model and calls them.
+
+Order matters: weights are packed for oneDNN first (where the CPU supports it), so packed
+layers keep oneDNN and the others get the kernels' GEMM; kernels go to children before their
+parents, so a module spanning several layers (a Llama decoder stack) sees its layers set up.
+Both are no-ops outside bf16 on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from torch import nn
+
+from impasto import kernels
+from impasto.models.layers.device_hooks import PacksWeights, UsesKernels
+
+
+def prepack_linear_weights(model: nn.Module) -> int:
+    """Pack every packable layer of `model` (oneDNN, packed.py); returns a count. Idempotent."""
+    return sum(m.pack_weights() for m in model.modules() if isinstance(m, PacksWeights))
+
+
+def install_kernels(model: nn.Module) -> int:
+    """Point the layers of `model` that use the kernels at them; returns how many took them
+    (0: not wanted, i.e. not a bf16 CPU model, or the kernels are unavailable). Builds the
+    kernel library if needed."""
+    param = next(model.parameters(), None)
+    if param is None or not kernels.wanted(param.dtype, param.device):
+        return 0
+    ops = kernels.load()
+    if ops is None:
+        return 0
+    # Reversed pre-order: every module comes after all of its descendants.
+    modules = reversed(list(model.modules()))
+    return sum(m.use_kernels(ops) for m in modules if isinstance(m, UsesKernels))
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def prepare_for_device(model: M) -> M:
+    """CPU bf16 only (a no-op elsewhere): pack linear weights for oneDNN where the CPU supports
+    it, then point the remaining layers at the fused kernels."""
+    prepack_linear_weights(model)
+    install_kernels(model)
+    return model
