@@ -78,10 +78,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # JSON keys are strings: "123" is accepted as token id 123 (normalised to int).
     logit_bias: dict[int | str, float] | None = None
     detokenize: bool = True
+    allowed_token_ids: list[int] | None = None  # sample only among these ids
+    bad_words: list[str] | None = None  # words never generated (as any of their tokenizations)
     # Filled in by the engine from the tokenizer / generation config, not by users
     # (`ENGINE_FIELDS`).
     eos_token_id: int | None = None
     all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
+    bad_words_token_ids: list[list[int]] | None = None  # `bad_words`, tokenized at admission
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -177,6 +180,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise bad("detokenize", f"must be a bool, got {self.detokenize!r}.")
         if self.stop and not self.detokenize:
             raise bad("stop", "strings are only supported when detokenize is True.")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids.")
+            if any(type(t) is not int or t < 0 for t in ids):
+                raise bad("allowed_token_ids", f"must contain non-negative integers, got {ids!r}.")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words
+            ):
+                raise bad("bad_words", f"must be a list of non-empty strings: {self.bad_words!r}")
         if self.logit_bias_ids is not None:
             for k, v in self.logit_bias_ids.items():
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or k < 0:
@@ -217,6 +231,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.eos_token_id = eos_token_id
         if not self.ignore_eos:
             self.all_stop_token_ids = set(self.stop_token_ids or []) | set(extra_stop_ids)
+        if self.bad_words:
+            if tokenizer is None:
+                raise _bad("bad_words", "needs a tokenizer (skip_tokenizer_init is set).")
+            self.bad_words_token_ids = _tokenize_bad_words(tokenizer, self.bad_words)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -259,8 +277,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for key in self.logit_bias_ids or {}:
             if key >= vocab_size:
                 raise _bad("logit_bias", f"token id {key} is out of vocabulary.")
+        bad = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise _bad("allowed_token_ids", f"contains token id(s) {bad} out of vocabulary.")
+
+
+def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each word as it tokenizes at the start of a text and after a space (most tokenizers
+    fold a leading space into the first token), without duplicates."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 # What the engine fills in; never taken from a request.
-ENGINE_FIELDS = frozenset({"eos_token_id", "all_stop_token_ids"})
+ENGINE_FIELDS = frozenset({"eos_token_id", "all_stop_token_ids", "bad_words_token_ids"})
 _DEFAULT = SamplingParams()

@@ -3,8 +3,9 @@
 A row is one sampling position. Today that is one row per AR request; speculative verification
 will pass `1 + K` rows per request, each with its own `positions` / `output_token_ids` entry.
 
-Order of processing (vLLM's): raw logprobs (if asked) -> logit bias, banned ids (min_tokens),
-penalties -> greedy argmax | temperature -> min-p -> top-k -> top-p -> exponential-race sample.
+Order of processing (vLLM's): raw logprobs (if asked) -> allowed ids, logit bias, banned ids
+(min_tokens, bad words), penalties -> greedy argmax | temperature -> min-p -> top-k -> top-p ->
+exponential-race sample.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class SamplingMetadata:
     output_token_ids: Sequence[Sequence[int]]  # [N] ragged: generated before this row's token
     prompt_token_ids: torch.Tensor | None  # [N, P] int64 padded with -1; repetition penalty only
     logit_bias: list[dict[int, float] | None] | None  # [N]
-    banned_token_ids: list[list[int]] | None  # [N]; ids forced to -inf (min_tokens)
+    banned_token_ids: list[list[int]] | None  # [N]; ids forced to -inf (min_tokens, bad words)
+    allowed_token_ids: list[list[int] | None] | None  # [N]; None row: every id allowed
     seeds: list[int | None]  # [N]; None: draw from `generator`
     positions: list[int]  # [N] sequence position of the token this row samples
     generator: torch.Generator | None  # runner-owned, seeded from the engine seed; on the device
@@ -75,7 +77,8 @@ class SamplingMetadata:
         use_min_p = any(p.min_p > 0.0 for p in params)
         use_pen = any(p.has_penalties for p in params)
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
-        banned = [_banned_ids(p, len(out)) for p, out in zip(params, output_token_ids, strict=True)]
+        banned = [_banned_ids(p, out) for p, out in zip(params, output_token_ids, strict=True)]
+        allowed = [p.allowed_token_ids for p in params]
         max_lp = [p.logprobs for p in params if p.logprobs is not None]
         biases = [p.logit_bias_ids for p in params]
         return cls(
@@ -92,6 +95,7 @@ class SamplingMetadata:
             prompt_token_ids=ops.pad_token_ids(prompt_token_ids, device) if use_rep else None,
             logit_bias=biases if any(biases) else None,
             banned_token_ids=banned if any(banned) else None,
+            allowed_token_ids=allowed if any(a is not None for a in allowed) else None,
             seeds=[p.seed for p in params],
             positions=list(positions),
             generator=generator,
@@ -99,13 +103,19 @@ class SamplingMetadata:
         )
 
 
-def _banned_ids(params: SamplingParams, num_output: int) -> list[int]:
-    """Stop ids (and EOS unless ignore_eos) stay masked until min_tokens are generated."""
-    if num_output >= params.min_tokens:
-        return []
-    ids = set(params.all_stop_token_ids)
-    if params.eos_token_id is not None and not params.ignore_eos:
-        ids.add(params.eos_token_id)
+def _banned_ids(params: SamplingParams, output: Sequence[int]) -> list[int]:
+    """Ids this row may not sample, given the tokens generated before it (`output`, drafts
+    included on verification rows): stop ids (and EOS unless ignore_eos) until min_tokens are
+    generated; the last token of every bad word whose other tokens end the output."""
+    ids: set[int] = set()
+    if len(output) < params.min_tokens:
+        ids |= params.all_stop_token_ids
+        if params.eos_token_id is not None and not params.ignore_eos:
+            ids.add(params.eos_token_id)
+    for word in params.bad_words_token_ids or ():
+        *head, last = word
+        if not head or (len(output) >= len(head) and list(output[-len(head) :]) == head):
+            ids.add(last)
     return sorted(ids)
 
 
@@ -183,7 +193,10 @@ class Sampler:
         return SamplerOutput(sampled, lp)
 
     def apply_logits_processors(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Processors that can change the argmax: bias, banned ids, penalties. Out of place."""
+        """Processors that can change the argmax: allowed ids, bias, banned ids, penalties.
+        Out of place."""
+        if meta.allowed_token_ids is not None:
+            logits = ops.apply_allowed_tokens(logits, meta.allowed_token_ids)
         if meta.logit_bias is not None:
             logits = ops.apply_logit_bias(logits, meta.logit_bias)
         if meta.banned_token_ids is not None:

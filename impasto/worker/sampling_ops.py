@@ -88,6 +88,22 @@ def apply_banned_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -
     return logits.index_put(index, torch.tensor(float("-inf"), device=dev))
 
 
+def apply_allowed_tokens(
+    logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]
+) -> torch.Tensor:
+    """Rows with an `allowed[i]` list keep only those ids (every other logit -inf); rows with
+    None are unchanged. Ids must be < V (checked at admission)."""
+    rows = [i for i, ids in enumerate(allowed) if ids is not None for _ in ids]
+    if not rows:
+        return logits
+    cols = [t for ids in allowed if ids is not None for t in ids]
+    dev = logits.device
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = True
+    restricted = torch.tensor([ids is not None for ids in allowed], device=dev).unsqueeze(1)
+    return logits.masked_fill(restricted & ~keep, float("-inf"))
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens with prob < min_p * max prob. Done in logit space: logit < max + log(min_p).
 

@@ -144,3 +144,32 @@ def test_metrics_move(server):
     assert ("impasto:prefix_cache_queries_total", ()) in after
     assert ("impasto:num_preemptions_total", ()) in after
     assert metric_values(server)[("impasto:kv_cache_usage_perc", ())] == 0
+
+
+def test_allowed_token_ids_and_bad_words_over_http(server):
+    """vLLM's sampling extras arrive through `extra_body` with no server-side field list."""
+    client = server.openai()
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": " Paris London Rome"}, headers=server.headers
+    ).json()["tokens"]
+    extra = {"ignore_eos": True, "allowed_token_ids": ids}
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, temperature=0.0,
+        extra_body=extra,
+    )  # fmt: skip
+    r = httpx.post(server.url + "/tokenize", json={"prompt": out.choices[0].text},
+                   headers=server.headers)  # fmt: skip
+    assert set(r.json()["tokens"]) <= set(ids)
+    free = (
+        client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, **GREEDY
+        )
+        .choices[0]
+        .text
+    )
+    word = free.split()[0]
+    banned = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=6, temperature=0.0,
+        extra_body={"ignore_eos": True, "bad_words": [word]},
+    ).choices[0].text  # fmt: skip
+    assert word not in banned.split() and banned != free
