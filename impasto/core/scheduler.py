@@ -2,18 +2,45 @@
 preemption, speculative drafts and diffusion canvases — all as "catch up to the target".
 
 A request needs `num_tokens + len(spec_token_ids) - num_computed_tokens` tokens. `schedule()`
-hands out a token budget to running requests first, then admits waiting ones head-of-line,
-and advances `num_computed_tokens` optimistically (drafts and canvas included);
-`update_from_output()` rolls back what was rejected and appends what was committed.
+hands out a token budget in named phases:
+
+1. `_schedule_running`: running requests in admission order, each getting what it needs
+   (`_num_running_tokens`: long-prefill cap, `max_model_len` clamp, whole canvas or nothing),
+   its blocks from `_allocate_or_preempt`, which preempts victims until they fit;
+2. `_schedule_waiting`: waiting requests admitted head-of-line (`_admit`), with prefix-cache
+   hits and uniform spec-decode padding (`_should_pad`) — skipped when the step preempted;
+3. `_make_output`, then the optimistic advance of `num_computed_tokens` (drafts and canvas
+   included); `update_from_output()` rolls back what was rejected and appends what was committed.
 
 `num_sampled_tokens_per_step` (1 AR, 0 diffusion) is read in the `max_model_len` clamp, the
 uniform-padding gate and the acceptance arithmetic — and once more to keep a diffusion canvas
 whole under the token budget (half a canvas is no denoising step; half a draft list is fine).
+
+Invariants of a step (the cheap ones are asserted at the end of the phases in `schedule()`):
+
+- the budget never goes negative; every scheduled count is positive, and the counts plus the
+  budget left add up to `max_num_batched_tokens`;
+- `len(running) <= max_num_seqs`: only admission grows `running`, and it checks the limit;
+- running requests are served before waiting ones; waiting admission is head-of-line: the first
+  request that cannot start (no budget, no blocks, no whole prompt without chunked prefill)
+  stops admission, so nobody jumps the queue;
+- a step that preempted admits nobody;
+- a canvas is never split by the budget (only the `max_model_len` clamp may clip it), and a
+  diffusion request is never padded: its spec tokens are the canvas, 1 + canvas overflows it;
+- preemption is recompute: the victim is the tail of `running` (the most recently admitted) or,
+  under the priority policy, the lowest priority (latest arrival on ties); its blocks are freed
+  in reverse (a chain's tail is evicted before its ancestors), its tokens kept, and it goes
+  back to the front of the waiting queue. A victim already scheduled in this step gives back
+  its budget, spec tokens and new block ids: a preempted request is never in the output's
+  scheduled tokens. A request that has to preempt itself ends the running phase;
+- spec tokens are consumed when scheduled (`spec_token_ids` is cleared); fresh drafts or the
+  updated canvas come back with the step's output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from impasto.config.scheduler import SchedulerConfig
 from impasto.core.kv_cache_manager import KVCacheManager
@@ -31,6 +58,39 @@ from impasto.core.spec_stats import SpecStats
 from impasto.core.stop import check_stop
 
 PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has handed out so far."""
+
+    token_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_reqs: list[Request] = field(default_factory=list)
+    # A running request got a prefill chunk: this step's batch is not a uniform decode batch.
+    prefill_scheduled: bool = False
+
+    def take(self, request: Request, n: int, block_ids: list[int]) -> None:
+        self.num_scheduled[request.request_id] = n
+        self.new_block_ids[request.request_id] = block_ids
+        self.token_budget -= n
+
+    def give_back(self, request: Request) -> None:
+        """Undo the scheduling of a request preempted later in the same step (a no-op if it
+        was not scheduled). `prefill_scheduled` stays: it only gates admission, and a step
+        that preempted admits nobody."""
+        rid = request.request_id
+        if rid not in self.num_scheduled:
+            return
+        self.token_budget += self.num_scheduled.pop(rid)
+        self.spec_tokens.pop(rid, None)
+        self.new_block_ids.pop(rid, None)
+        self.scheduled_running.remove(request)
 
 
 class Scheduler:
@@ -96,87 +156,110 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One step: running requests first, then (unless this step preempted) waiting ones."""
         cfg = self.config
-        kv = self.kv_cache_manager
-        s = self.num_sampled_tokens_per_step
-        token_budget = cfg.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        preempted: list[Request] = []
-        prefill_scheduled = False
+        step = _Step(token_budget=cfg.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            # KV memory is short (the victims sit at the head of the queue): admitting anyone
+            # now would only thrash, so a step that preempted admits nobody.
+            self._schedule_waiting(step)
 
-        # Phase A: running requests, in admission order.
-        i = 0
-        while i < len(self.running) and token_budget > 0:
-            request = self.running[i]
-            n = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < cfg.long_prefill_token_threshold < n and not request.spec_token_ids:
-                n = cfg.long_prefill_token_threshold
-            # AR keeps room for the bonus token; a diffusion canvas may run up to the end.
-            n = min(n, self.max_model_len - request.num_computed_tokens - s)
-            if s == 0 and request.spec_token_ids and n > token_budget:
-                # A canvas is all or nothing: half a canvas is no denoising step. Skip it this
-                # step (later requests may still fit); it runs when the budget allows.
-                i += 1
-                continue
-            n = min(n, token_budget)
-            if n <= 0:
-                i += 1
-                continue
-            while True:
-                block_ids = kv.allocate_slots(
-                    request, n, num_lookahead_tokens=cfg.num_lookahead_tokens
-                )
-                if block_ids is not None:
-                    break
-                victim = self._pick_victim()
-                vi = self.running.index(victim)
-                self.running.pop(vi)
-                if vi < i:
-                    i -= 1
-                if victim.request_id in num_scheduled:  # priority policy: give back its share
-                    token_budget += num_scheduled.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    new_block_ids.pop(victim.request_id, None)
-                    scheduled_running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if block_ids is None:  # the request preempted itself: nothing fits
+        # The cheap invariants of the module docstring.
+        assert step.token_budget >= 0 and len(self.running) <= cfg.max_num_seqs
+        assert sum(step.num_scheduled.values()) + step.token_budget == cfg.max_num_batched_tokens
+        assert all(n > 0 for n in step.num_scheduled.values())
+        assert not (step.preempted and (step.new_reqs or step.resumed_reqs))
+        assert not any(r.request_id in step.num_scheduled for r in step.preempted)
+
+        output = self._make_output(step)
+        # Optimistic advance: drafts and canvas included; update_from_output rolls back.
+        for rid, n in step.num_scheduled.items():
+            request = self.requests[rid]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+        self.finished_req_ids = set()
+        self._preempted_req_ids = set()
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, in admission order, while the budget lasts."""
+        # A snapshot, since preemption removes victims from self.running as we go; a victim
+        # that had not had its turn yet is skipped, one already scheduled gives its share back.
+        for request in list(self.running):
+            if step.token_budget <= 0:
                 break
-            scheduled_running.append(request)
-            prefill_scheduled |= request.is_prefill_chunk
-            num_scheduled[request.request_id] = n
-            new_block_ids[request.request_id] = block_ids
-            token_budget -= n
-            num_spec = n + request.num_computed_tokens - request.num_tokens
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._num_running_tokens(request, step.token_budget)
+            if n <= 0:
+                continue  # nothing to catch up on, or a canvas the budget cannot take whole
+            block_ids = self._allocate_or_preempt(request, n, step)
+            if block_ids is None:
+                break  # it preempted itself: the cache is held by requests that outrank it
+            step.scheduled_running.append(request)
+            step.prefill_scheduled |= request.is_prefill_chunk
+            step.take(request, n, block_ids)
             if request.spec_token_ids:
+                # The drafts (or the canvas) come last in the query; the budget may cut drafts.
+                num_spec = n + request.num_computed_tokens - request.num_tokens
                 if num_spec > 0:
-                    spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                    step.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
                 # Fresh drafts (or the updated canvas) arrive with the step's output.
                 request.spec_token_ids = []
-            i += 1
 
-        # Phase B: waiting requests, head-of-line. A step that preempted admits nobody.
-        new_reqs: list[Request] = []
-        resumed_reqs: list[Request] = []
-        while not preempted and len(self.waiting) and token_budget > 0:
-            if len(self.running) >= cfg.max_num_seqs:
-                break
+    def _num_running_tokens(self, request: Request, token_budget: int) -> int:
+        """Tokens to schedule for a running request this step; 0 or less means skip it."""
+        cfg = self.config
+        s = self.num_sampled_tokens_per_step
+        n = request.num_tokens_with_spec - request.num_computed_tokens
+        if 0 < cfg.long_prefill_token_threshold < n and not request.spec_token_ids:
+            n = cfg.long_prefill_token_threshold
+        # AR keeps room for the bonus token; a diffusion canvas may run up to the end.
+        n = min(n, self.max_model_len - request.num_computed_tokens - s)
+        if s == 0 and request.spec_token_ids and n > token_budget:
+            # A canvas is all or nothing: half a canvas is no denoising step. Skip it this
+            # step (later requests may still fit); it runs when the budget allows.
+            return 0
+        return min(n, token_budget)
+
+    def _allocate_or_preempt(self, request: Request, n: int, step: _Step) -> list[int] | None:
+        """Slots for `n` more tokens of a running request, preempting victims until they fit.
+
+        Returns the new block ids, or None when the request had to preempt itself.
+        """
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(
+                request, n, num_lookahead_tokens=self.config.num_lookahead_tokens
+            )
+            if block_ids is not None:
+                return block_ids
+            victim = self._pick_victim()
+            self.running.remove(victim)
+            step.give_back(victim)  # priority policy: it may have been scheduled already
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit waiting requests head-of-line: the first that cannot start stops admission."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        while len(self.waiting) and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
-            pad = self._should_pad(n, num_hit, token_budget, scheduled_running, prefill_scheduled)
+            pad = self._should_pad(
+                n, num_hit, step.token_budget, step.scheduled_running, step.prefill_scheduled
+            )
             if pad:
                 n = 1 + self.num_spec_tokens
             elif 0 < cfg.long_prefill_token_threshold < n:
                 n = cfg.long_prefill_token_threshold
-            if not cfg.enable_chunked_prefill and n > token_budget:
-                break
-            n = min(n, token_budget)
+            if not cfg.enable_chunked_prefill and n > step.token_budget:
+                break  # without chunked prefill a prompt runs whole or waits
+            n = min(n, step.token_budget)
             block_ids = kv.allocate_slots(
                 request,
                 n,
@@ -187,34 +270,32 @@ class Scheduler:
             )
             if block_ids is None:
                 break
-            self.waiting.pop()
-            kv.record_prefix_query(request.num_tokens, num_hit)
-            if request.status == RequestStatus.PREEMPTED:
-                resumed_reqs.append(request)
-            else:
-                request.num_cached_prompt_tokens = num_hit
-                new_reqs.append(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            num_scheduled[request.request_id] = n
-            new_block_ids[request.request_id] = block_ids
-            token_budget -= n
-            if pad:
-                spec_tokens[request.request_id] = [PADDING_TOKEN_ID] * self.num_spec_tokens
+            self._admit(request, num_hit, n, block_ids, pad, step)
 
-        assert token_budget >= 0 and len(self.running) <= cfg.max_num_seqs
-        output = self._make_output(
-            new_reqs, resumed_reqs, scheduled_running, num_scheduled, spec_tokens, new_block_ids
-        )
-        # Optimistic advance: drafts and canvas included; update_from_output rolls back.
-        for rid, n in num_scheduled.items():
-            request = self.requests[rid]
-            request.num_computed_tokens += n
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
-        self.finished_req_ids = set()
-        self._preempted_req_ids = set()
-        return output
+    def _admit(
+        self,
+        request: Request,
+        num_hit: int,
+        n: int,
+        block_ids: list[int],
+        pad: bool,
+        step: _Step,
+    ) -> None:
+        """Move the head of the waiting queue to running, its prefix-cache hit computed."""
+        admitted = self.waiting.pop()
+        assert admitted is request
+        self.kv_cache_manager.record_prefix_query(request.num_tokens, num_hit)
+        if request.status == RequestStatus.PREEMPTED:
+            step.resumed_reqs.append(request)
+        else:
+            request.num_cached_prompt_tokens = num_hit
+            step.new_reqs.append(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        step.take(request, n, block_ids)
+        if pad:
+            step.spec_tokens[request.request_id] = [PADDING_TOKEN_ID] * self.num_spec_tokens
 
     def _should_pad(
         self,
@@ -247,7 +328,8 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+        """Recompute preemption: drop the KV, keep the tokens, requeue at the front. The caller
+        has taken it out of `running`."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -260,15 +342,7 @@ class Scheduler:
         self.waiting.prepend(request)
         self._preempted_req_ids.add(request.request_id)
 
-    def _make_output(
-        self,
-        new_reqs: list[Request],
-        resumed_reqs: list[Request],
-        scheduled_running: list[Request],
-        num_scheduled: dict[str, int],
-        spec_tokens: dict[str, list[int]],
-        new_block_ids: dict[str, list[int]],
-    ) -> SchedulerOutput:
+    def _make_output(self, step: _Step) -> SchedulerOutput:
         new_data = [
             NewRequestData(
                 req_id=r.request_id,
@@ -278,28 +352,28 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
             )
-            for r in new_reqs
+            for r in step.new_reqs
         ]
         cached = CachedRequestData()
         for r, resumed in (
-            *((r, False) for r in scheduled_running),
-            *((r, True) for r in resumed_reqs),
+            *((r, False) for r in step.scheduled_running),
+            *((r, True) for r in step.resumed_reqs),
         ):
             cached.req_ids.append(r.request_id)
             cached.resumed_from_preemption.append(resumed)
             if resumed:  # its old blocks were freed: send the whole new table
                 cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(r.request_id))
             else:
-                cached.new_block_ids.append(new_block_ids[r.request_id])
+                cached.new_block_ids.append(step.new_block_ids[r.request_id])
             cached.num_computed_tokens.append(r.num_computed_tokens)
             if resumed:
                 cached.resumed_token_ids[r.request_id] = list(r.all_token_ids)
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            scheduled_spec_decode_tokens=step.spec_tokens,
             preempted_req_ids=self._preempted_req_ids,
             finished_req_ids=self.finished_req_ids,
         )
@@ -320,7 +394,7 @@ class Scheduler:
             idx = index.get(rid)
             if error is None and idx is None:
                 error = "the model runner returned no output for this request"
-            if error is not None:
+            if error is not None or idx is None:
                 request.status = RequestStatus.FINISHED_ERROR
                 stopped.append(request)
                 outputs.append(EngineCoreOutput(rid, [], True, "error", error=error))
