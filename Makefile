@@ -1,13 +1,16 @@
 # impasto — the two commands a fresh machine needs: `make run` and `make test`.
 PY ?= python3
 PROMPT ?= Write a haiku about paint.
+LOCK := requirements/lock.txt
+PIP := $(PY) -m pip --quiet --disable-pip-version-check
 
-.PHONY: install run test lint format bench
+.PHONY: install run test lint format bench lock test-latest
 
 install:
-	# torch is pinned to the CPU build: an unpinned install pulls a multi-GB CUDA build.
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	# Every dependency from the committed lock: exact versions, checked against their hashes
+	# (torch is the CPU build). Then impasto itself, which adds nothing unlocked.
+	$(PIP) install --require-hashes -r $(LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
 
 run: install
 	$(PY) -m impasto.entrypoints.cli generate "$(PROMPT)" "What is the capital of France?"
@@ -28,3 +31,21 @@ format:
 
 bench: install
 	$(PY) benchmarks/scheduler_overhead.py
+
+lock:
+	# Refresh the lock from pyproject.toml and requirements/lock-inputs.txt (newest releases
+	# that satisfy them), with hashes. Commit the result after `make test` passes on it.
+	$(PIP) install pip-tools
+	$(PY) -m piptools compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+		--no-emit-index-url --no-emit-find-links --extra test -o $(LOCK) \
+		pyproject.toml requirements/lock-inputs.txt
+
+test-latest:
+	# Not in CI: the suite against the newest releases pyproject.toml allows, in a fresh
+	# virtualenv, to see dependency drift before it reaches the lock.
+	rm -rf .venv-latest
+	$(PY) -m venv .venv-latest
+	.venv-latest/bin/python -m pip install --quiet torch==2.13.0
+	.venv-latest/bin/python -m pip install --quiet --upgrade -e '.[test]'
+	$(MAKE) lint PY=.venv-latest/bin/python
+	.venv-latest/bin/python -m pytest -q -p no:cacheprovider

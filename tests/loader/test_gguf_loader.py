@@ -202,7 +202,10 @@ def test_llama3_rope_recovered_from_rope_freqs(tmp_path: Path) -> None:
     got = gguf_to_hf_config(tmp_path / "m.gguf").rope_parameters
     assert got["rope_type"] == "llama3"
     for key, value in rope.items():
-        assert got[key] == pytest.approx(value, rel=1e-4), key
+        if isinstance(value, str):  # pytest >= 9.2's approx refuses non-numbers
+            assert got[key] == value, key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-4), key
     # the non-parameter tensor is not yielded as a weight
     assert "rope_freqs.weight" not in dict(iter_gguf_weights(tmp_path / "m.gguf"))
 
