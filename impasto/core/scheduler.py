@@ -56,6 +56,7 @@ from impasto.core.request import Request, RequestStatus
 from impasto.core.request_queue import make_queue
 from impasto.core.spec_stats import SpecStats
 from impasto.core.stop import check_stop
+from impasto.errors import InvalidParameterError
 
 PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
 
@@ -114,8 +115,18 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request. Refused (nothing changes) when its id is in use or its prompt
+        leaves no room to generate: the core never takes a request it cannot run."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidParameterError(
+                "request_id", f"request id {request.request_id!r} is already in use"
+            )
+        if request.num_tokens >= self.max_model_len:
+            raise InvalidParameterError(
+                "prompt",
+                f"the prompt has {request.num_tokens} tokens; max_model_len is "
+                f"{self.max_model_len}, which leaves no room to generate.",
+            )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -381,6 +392,15 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        """Commit what a step produced: roll back rejected drafts / canvases, append accepted
+        tokens through the stop check, take the next drafts, finish what stopped or failed.
+
+        Rule for requests no longer running when the step's results arrive (aborted, or
+        preempted between `schedule()` and here, e.g. by `reset_prefix_cache`): their results
+        are dropped. A preempted request lost the KV the step computed, so it recomputes and
+        samples that position again after it resumes; nothing is committed twice or without
+        its KV.
+        """
         s = self.num_sampled_tokens_per_step
         index = runner_output.index_of()
         outputs: list[EngineCoreOutput] = []
@@ -468,5 +488,13 @@ class Scheduler:
         self._step_preemptions = 0
         return stats
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash; True when done. Only free blocks can be reset, so
+        with running requests it fails unless `reset_running_requests`, which first preempts
+        them all (recompute; they resume with fresh KV: what weight updates need)."""
+        if reset_running_requests:
+            # Tail first, as preemption always does, so they requeue in admission order.
+            for request in reversed(self.running):
+                self._preempt(request)
+            self.running = []
         return self.kv_cache_manager.reset_prefix_cache()

@@ -112,6 +112,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; with `reset_running_requests`, running requests are
+        preempted first (they recompute), so the reset always succeeds."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that changed, as deltas."""

@@ -149,11 +149,13 @@ class InputProcessor:
         params.verify_for_model(m.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if m.max_logprobs >= 0 and value is not None and value > m.max_logprobs:
+            # -1 asks for the whole vocabulary: allowed only up to the cap, as in vLLM.
+            wanted = m.vocab_size if value == -1 else value
+            if m.max_logprobs >= 0 and wanted is not None and wanted > m.max_logprobs:
                 raise InvalidParameterError(
                     name,
-                    f"Requested {name} of {value}, which is greater than max allowed: "
-                    f"{m.max_logprobs}",
+                    f"Requested {name} of {wanted}{' (-1: the whole vocabulary)' * (value == -1)}"
+                    f", which is greater than max allowed: {m.max_logprobs}",
                 )
         limit, max_tokens = m.max_model_len, params.max_tokens
         if max_tokens_fit and max_tokens is not None and prompt_len + max_tokens > limit:

@@ -114,6 +114,9 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 

@@ -28,6 +28,7 @@ BAD = [
     (C, {"prompt": "hi", "presence_penalty": 9}, 400, "presence_penalty"),
     (C, {"prompt": "hi", "logprobs": 100}, 400, "logprobs"),
     (C, {"prompt": "hi", "logprobs": -3}, 400, "logprobs"),
+    (C, {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),  # the whole vocabulary > the cap
     (C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     (C, {"prompt": "hi", "stop": 5}, 400, "stop"),
     (C, {"prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),

@@ -83,7 +83,7 @@ def _logprobs(state: ServerState, choice: Choice, start: int, top_n: int) -> Cha
                 logprob=clamp_logprob(e[1]),
                 bytes=list(s.encode()),
             )
-            for e in entries[:top_n]
+            for e in (entries if top_n < 0 else entries[:top_n])  # -1: the whole vocabulary
         ]
         content.append(
             ChatTokenLogprob(

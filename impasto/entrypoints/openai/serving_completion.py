@@ -63,7 +63,8 @@ def _logprobs(
         text = state.token_str(tok, sampled[3] if sampled else None)
         lp.tokens.append(text)
         lp.token_logprobs.append(clamp_logprob(sampled[1]) if sampled else None)
-        top = {state.token_str(e[0], e[3]): clamp_logprob(e[1]) for e in entries[: top_n + 1]}
+        shown = entries if top_n < 0 else entries[: top_n + 1]  # -1: the whole vocabulary
+        top = {state.token_str(e[0], e[3]): clamp_logprob(e[1]) for e in shown}
         lp.top_logprobs.append(top)
         lp.text_offset.append(offset)
         offset += len(text)
