@@ -5,9 +5,20 @@ for r in make_requests(2, num_tokens=33, same_prompt=True):
     sched.add_request(r)
 out = sched.schedule()
 sched.update_from_output(out, runner_output({"0": [100]}, spec={"0": [1, 2, 3]}))
+
+`run_workload` drives an engine through staggered arrivals and checks that nothing is left
+behind; `FaultInjector` puts faults into a live model runner (an engine's `engine.runner`) at chosen
+steps: for the fault-injection tests and for anyone checking their own runner or model.
 """
 
 from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from impasto.config.scheduler import SchedulerConfig
 from impasto.core.outputs import ModelRunnerOutput
@@ -108,3 +119,145 @@ def runner_output(
         sampled_token_ids=[list(sampled[rid]) for rid in req_ids],
         spec_token_ids=spec_ids,
     )
+
+
+@dataclass
+class Arrival:
+    """A request that arrives before engine step `step` (steps count from 0)."""
+
+    step: int
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class WorkloadResult:
+    tokens: dict[str, list[int]]  # every token each request produced
+    reasons: dict[str, str]  # finish reason of each request
+    metrics: dict[str, float]
+    steps: int
+
+
+def run_workload(engine: Any, workload: list[Arrival]) -> WorkloadResult:
+    """Run an `LLMEngine` over the arrivals (sorted by step) until every request finished,
+    checking the KV pool after every step; at the end, no runner row and no KV block may be
+    held (blocks in the prefix cache count as free)."""
+    pending = sorted(workload, key=lambda a: a.step)
+    tokens: dict[str, list[int]] = {a.rid: [] for a in workload}
+    reasons: dict[str, str] = {}
+    kv = engine.scheduler.kv_cache_manager
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            engine.add_request(a.rid, {"prompt_token_ids": a.prompt}, a.params)
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            if out.finished:
+                reasons[out.request_id] = out.outputs[0].finish_reason
+        kv.check_integrity()
+        step += 1
+    engine.step()  # lets the runner drop the last finished requests
+    runner = engine.runner
+    assert runner.batch.num_reqs == 0 and not runner.requests, "runner rows left behind"
+    assert kv.num_free_blocks == engine.scheduler.config.num_blocks - 1, "KV blocks leaked"
+    metrics = {m.name: m.value for m in engine.get_metrics()}
+    return WorkloadResult(tokens, reasons, metrics, step)
+
+
+FaultKind = Literal["raise", "raise_before_update", "nan", "inf", "hang"]
+
+
+class InjectedFault(RuntimeError):
+    """The exception a `FaultInjector` raises inside a step."""
+
+
+class FaultInjector:
+    """Faults at chosen steps of a model runner (steps count the runner's calls that schedule
+    something, from 0):
+
+    - "raise": the model's forward raises (after the runner applied the step's diffs);
+    - "raise_before_update": execute_model raises before it looks at the step at all;
+    - "nan" / "inf": one element of a random row of the logits the step samples from is
+      poisoned (at the next step that samples, if this one does not; for runners that compute
+      logits only to sample: no prompt logprobs);
+    - "hang": the model's forward sleeps `hang_s` seconds (`float("inf")`: until `release()`).
+
+    `hit` holds, per injection, the request ids it can affect: every request of the step for
+    "raise" / "raise_before_update" / "hang" (all of them must fail); for "nan" / "inf" the
+    step's requests, of which exactly one (the owner of the poisoned row) must fail.
+    `uninstall()` restores the runner.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        kind: FaultKind,
+        steps: Iterable[int],
+        *,
+        hang_s: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.runner, self.kind, self.steps = runner, kind, set(steps)
+        self.hang_s = hang_s
+        self.rng = random.Random(seed)
+        self.hit: list[set[str]] = []
+        self.step = -1
+        self._armed = False  # this step raises / hangs in the model's forward
+        self._poison = False  # the next logits computed get a NaN / inf
+        self._released = threading.Event()
+        self._scheduled: set[str] = set()
+        self._execute = runner.execute_model
+        self._forward = runner.model.forward
+        self._logits = runner.model.compute_logits
+        runner.execute_model = self._execute_model
+        runner.model.forward = self._model_forward
+        runner.model.compute_logits = self._compute_logits
+
+    def uninstall(self) -> None:
+        self.release()
+        self.runner.execute_model = self._execute
+        del self.runner.model.forward, self.runner.model.compute_logits  # back to the class's
+
+    def release(self) -> None:
+        """End a hang now."""
+        self._released.set()
+
+    def _execute_model(self, so: Any) -> Any:
+        if so.num_scheduled_tokens:
+            self.step += 1
+            if self.step in self.steps:
+                if self.kind == "raise_before_update":
+                    self.hit.append(set(so.num_scheduled_tokens))
+                    raise InjectedFault(f"injected before step {self.step}'s update")
+                if self.kind in ("nan", "inf"):
+                    self._poison = True
+                else:
+                    self.hit.append(set(so.num_scheduled_tokens))
+                    self._armed = True
+        self._scheduled = set(so.num_scheduled_tokens)
+        try:
+            return self._execute(so)
+        finally:
+            self._armed = False
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._armed and self.kind == "raise":
+            raise InjectedFault(f"injected into step {self.step}'s forward")
+        if self._armed and self.kind == "hang":
+            deadline = time.monotonic() + self.hang_s
+            while not self._released.is_set() and time.monotonic() < deadline:
+                self._released.wait(min(0.05, max(deadline - time.monotonic(), 0.0)))
+        return self._forward(*args, **kwargs)
+
+    def _compute_logits(self, *args: Any, **kwargs: Any) -> Any:
+        logits = self._logits(*args, **kwargs)
+        if self._poison:
+            self._poison = False  # one poisoned row per injection
+            self.hit.append(self._scheduled)
+            row = self.rng.randrange(logits.shape[0])
+            logits[row, self.rng.randrange(logits.shape[1])] = (
+                float("nan") if self.kind == "nan" else float("inf")
+            )
+        return logits

@@ -46,6 +46,9 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
     disable_log_stats: bool = False
+    # The step watchdog's deadline (None or 0: off; vLLM's default is 300 s too). A step running
+    # longer fails its requests; one still running 4 deadlines later ends the engine.
+    step_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         def bad(name: str, message: str) -> InvalidParameterError:
@@ -69,6 +72,11 @@ class EngineArgs:
             raise bad("max_logprobs", "max_logprobs must be an integer >= -1 (-1: no cap).")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", f"device must be auto, cpu or cuda, got {self.device!r}.")
+        t = self.step_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0):
+            raise bad("step_timeout_s", f"step_timeout_s must be >= 0 seconds, got {t!r}.")
+        if t == 0:
+            object.__setattr__(self, "step_timeout_s", None)  # 0: no deadline
         self.parallel_config()  # validates tensor_parallel_size and num_threads
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(self.speculative_config)

@@ -1,7 +1,11 @@
 """The engine: add_request / step / abort over scheduler + runner, with output processing.
 
 One step reads as three verbs: schedule -> execute -> update_from_output. A failure inside
-a step fails the requests of that step, with an error, and the engine goes on.
+a step fails the requests of that step, with an error, and the engine goes on: a step that
+raises (the runner repairs its batch), a request whose logits are not finite (the runner fails
+it alone), a step that misses `step_timeout_s` (the watchdog: its requests fail now; no other
+step runs until it returns, and if it is still running `DEAD_AFTER_TIMEOUTS` timeouts later the
+engine is dead: `EngineDeadError`, so the process can exit and be restarted).
 
 Requests enter through the one admission path (`InputProcessor`: tokenized and validated once);
 `step()` returns per-request *deltas* (see `impasto/outputs.py`). The engine knows the runner
@@ -23,13 +27,17 @@ from impasto.engine.output_processor import OutputProcessor
 from impasto.engine.processor import EngineRequest, InputProcessor, PromptType
 from impasto.engine.setup import EngineComponents, build_components
 from impasto.engine.stats_logger import StatsLogger
+from impasto.engine.step_watchdog import EngineDeadError, StepTimeoutError, StepWatchdog
 from impasto.errors import InvalidParameterError
 from impasto.outputs import RequestOutput
 from impasto.sampling_params import SamplingParams
 
 logger = logging.getLogger("impasto")
 
-__all__ = ["LLMEngine", "PromptType"]
+__all__ = ["DEAD_AFTER_TIMEOUTS", "EngineDeadError", "LLMEngine", "PromptType"]
+
+DEAD_AFTER_TIMEOUTS = 4  # a timed-out step still running this many timeouts later: dead
+_STUCK_POLL_S = 0.05  # how long step() waits for a timed-out step before returning nothing
 
 
 class LLMEngine:
@@ -49,6 +57,8 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.stats_logger = StatsLogger(self.config.observability, self.metrics)
         self._ids = count()
+        self.watchdog: StepWatchdog[ModelRunnerOutput] = StepWatchdog(args.step_timeout_s)
+        self._timed_out: SchedulerOutput | None = None  # the step the watchdog gave up on
 
     # -- admission ----------------------------------------------------------------------------
     def process_request(
@@ -120,14 +130,26 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests that changed, as deltas."""
+        if self._timed_out is not None and not self._timed_out_step_ended():
+            return []
         so = self.scheduler.schedule()
         try:
-            runner_out = self.runner.execute_model(so)
+            runner_out = self.watchdog.run(lambda: self.runner.execute_model(so))
+        except StepTimeoutError as e:
+            logger.error(
+                "step timed out after %g s: failing its %d request(s); the step is at:\n%s",
+                e.timeout_s,
+                len(so.num_scheduled_tokens),
+                e.stack,
+            )
+            self.metrics.inc("impasto:step_timeouts")
+            self._timed_out = so
+            runner_out = _all_failed(so, str(e))
         except Exception as e:  # noqa: BLE001 - isolate the failure to this step's requests
             logger.error("step failed: %s\n%s", e, traceback.format_exc())
-            message = f"{type(e).__name__}: {e}"
-            runner_out = ModelRunnerOutput([], [])
-            runner_out.failed_req_ids = dict.fromkeys(so.num_scheduled_tokens, message)
+            self.runner.discard_step(so)
+            runner_out = _all_failed(so, f"{type(e).__name__}: {e}")
+        self.metrics.inc("impasto:step_failed_requests", len(runner_out.failed_req_ids))
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self._count_prompt_tokens(so)
         self.metrics.observe_scheduler(self.scheduler.make_stats())
@@ -143,6 +165,24 @@ class LLMEngine:
         self.stats_logger.maybe_log(time.monotonic())
         return outputs
 
+    def _timed_out_step_ended(self) -> bool:
+        """Wait a little for the step the watchdog gave up on. When it has ended, repair the
+        runner (its requests failed long ago) and go on; raise EngineDeadError once it has run
+        DEAD_AFTER_TIMEOUTS timeouts past its deadline."""
+        assert self._timed_out is not None
+        if self.watchdog.wait_released(_STUCK_POLL_S):
+            self.runner.discard_step(self._timed_out)
+            self._timed_out = None
+            logger.warning("the timed-out step has ended; the engine goes on")
+            return True
+        timeout = self.args.step_timeout_s or 0.0
+        if self.watchdog.stuck_for() > DEAD_AFTER_TIMEOUTS * timeout:
+            raise EngineDeadError(
+                f"a model step has been running for {timeout + self.watchdog.stuck_for():.1f} s "
+                "and does not return; the engine cannot go on"
+            )
+        return False
+
     def _count_prompt_tokens(self, so: SchedulerOutput) -> None:
         for new in so.scheduled_new_reqs:
             n = len(new.prompt_token_ids) - new.num_computed_tokens
@@ -150,3 +190,9 @@ class LLMEngine:
 
     def get_metrics(self) -> list[Metric]:
         return self.metrics.snapshot()
+
+
+def _all_failed(so: SchedulerOutput, message: str) -> ModelRunnerOutput:
+    out = ModelRunnerOutput([], [])
+    out.failed_req_ids = dict.fromkeys(so.num_scheduled_tokens, message)
+    return out

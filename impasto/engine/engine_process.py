@@ -7,7 +7,9 @@ Invariants:
   or an error), unless the API process aborted it first.
 - Requests arrive admitted (`EngineRequest`): nothing is re-tokenized or re-validated here;
   the engine's deltas are forwarded as they are (`ipc.to_wire`), no diffing.
-- The process exits when told to (after draining), or when its parent process is gone.
+- The process exits when told to (after draining), or when its parent process is gone; and
+  with status 1 when the engine is dead (`EngineDeadError`: a step hung past the watchdog's
+  grace), after failing every request in flight, so a supervisor can restart the server.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import zmq
 
 from impasto.config.engine_args import EngineArgs
 from impasto.engine import ipc
+from impasto.engine.step_watchdog import EngineDeadError
 from impasto.errors import InvalidParameterError
 
 logger = logging.getLogger("impasto")
@@ -128,6 +131,11 @@ class EngineLoop:
     def _step(self) -> list[ipc.RequestDelta]:
         try:
             outputs = self.engine.step()
+        except EngineDeadError as e:  # fail what is in flight, then the process exits
+            logger.error("engine: %s; exiting", e)
+            self._fail_all(str(e))
+            self.push.send(ipc.encode(ipc.Outputs([], self.errors)))
+            raise
         except Exception as e:  # noqa: BLE001 - fail what is in flight, keep the loop
             logger.error("engine: step failed\n%s", traceback.format_exc())
             self._fail_all(f"{type(e).__name__}: {e}")
@@ -179,7 +187,13 @@ def run_engine_process(
         return
     ready = ipc.Ready(os.getpid(), engine.config.model)
     push.send(ipc.encode(ready))
-    EngineLoop(engine, pull, push, parent_pid).run()
+    try:
+        EngineLoop(engine, pull, push, parent_pid).run()
+    except EngineDeadError:
+        # The hung step's thread cannot be stopped: leave at once, non-zero, and let the API
+        # process (and its supervisor) see the death.
+        push.close(linger=1000)
+        os._exit(1)
     pull.close()
     push.close()
     ctx.term()

@@ -24,6 +24,10 @@ _COUNTERS = {
     "impasto:prefix_cache_hits": "Tokens found in the prefix cache.",
     "impasto:request_success": "Requests finished (any reason but error/abort).",
     "impasto:request_failure": "Requests finished with an error.",
+    "impasto:step_failed_requests": (
+        "Requests failed by a model step (it raised, timed out, or gave non-finite logits)."
+    ),
+    "impasto:step_timeouts": "Model steps that missed the watchdog's deadline (step_timeout_s).",
     "impasto:spec_decode_num_drafts": "Speculative verification steps.",
     "impasto:spec_decode_num_draft_tokens": "Draft tokens proposed.",
     "impasto:spec_decode_num_accepted_tokens": "Draft tokens accepted.",

@@ -26,6 +26,7 @@ _ENGINE_FLAGS = (
     "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
+    "step_timeout_s",
 )  # fmt: skip
 
 
@@ -56,6 +57,13 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
+    p.add_argument(
+        "--step-timeout",
+        dest="step_timeout_s",
+        type=float,
+        default=None,
+        help="seconds a model step may take before its requests fail (default 300; 0: none)",
+    )
     p.add_argument("--disable-log-stats", action="store_true", default=None)
 
 

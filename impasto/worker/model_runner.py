@@ -2,6 +2,11 @@
 
 It owns the paged KV cache and the persistent batch, and knows each request only through the
 scheduler's diffs. Device-agnostic PyTorch: CPU by default, CUDA when asked.
+
+Faults stay with the requests they hit: a request whose logits are not finite (NaN/inf from the
+model) is reported in `failed_req_ids` and gets no token (its rows are zeroed before sampling,
+so the others sample as usual); a step that raised is repaired by `discard_step`, which leaves
+the persistent batch as if the step's requests had never been scheduled.
 """
 
 from __future__ import annotations
@@ -82,6 +87,22 @@ class ModelRunner:
                 batch.append_blocks(row, cached.new_block_ids[i])
                 batch.num_computed[row] = cached.num_computed_tokens[i]
 
+    def discard_step(self, so: SchedulerOutput) -> None:
+        """Repair after a step that raised (anywhere, even halfway through `_update_states`):
+        the step's requests are failed by the scheduler, so their rows go now; the removals
+        the step carried are applied (idempotent: each id is removed at most once)."""
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            batch.remove(rid)
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            state = batch.remove(rid)
+            if state is not None:
+                state.on_preempted()
+        for rid in so.num_scheduled_tokens:
+            batch.remove(rid)
+            self.requests.pop(rid, None)
+
     # -- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -121,9 +142,11 @@ class ModelRunner:
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict[str, list[dict[int, tuple[float, int]]]] = {}
+        failed: dict[str, str] = {}
         if logits_idx:
             idx = torch.tensor(logits_idx, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
+            failed = self._fail_non_finite(logits, req_ids, sample_plan)
             sampling = self._sampling_metadata(req_ids, rows, sample_plan, spec)
             num_accepted = None
             if any(req_ids[b] in spec for b, _, _ in sample_plan):
@@ -140,6 +163,8 @@ class ModelRunner:
                 ]
                 lp_rows = out.logprobs.to_dicts(num_top)
             for i, (b, first, _) in enumerate(sample_plan):
+                if req_ids[b] in failed:
+                    continue
                 # Rows first..first+accepted hold the accepted drafts and the bonus/correction.
                 accepted = num_accepted[i] if num_accepted is not None else 0
                 toks = tokens[first : first + accepted + 1]
@@ -154,7 +179,26 @@ class ModelRunner:
             verified = [spec.get(r, []) for r in req_ids]
             step = StepResult(req_ids, rows, start, num_sched, sampled, verified)
             drafts_next = self.proposer.propose(batch, step)
-        return ModelRunnerOutput(req_ids, sampled, drafts_next, logprobs, prompt_lps)
+        result = ModelRunnerOutput(req_ids, sampled, drafts_next, logprobs, prompt_lps)
+        result.failed_req_ids = failed
+        return result
+
+    @staticmethod
+    def _fail_non_finite(
+        logits: torch.Tensor, req_ids: list[str], plan: list[tuple[int, int, int]]
+    ) -> dict[str, str]:
+        """Requests with a non-finite logit in any of their rows, with the error; those rows
+        are zeroed in place so the batch samples as usual (their tokens are discarded)."""
+        finite = torch.isfinite(logits).all(dim=-1)  # [rows]
+        if bool(finite.all()):
+            return {}
+        ok = finite.tolist()
+        failed: dict[str, str] = {}
+        for b, first, k in plan:
+            if not all(ok[first : first + k]):
+                failed[req_ids[b]] = "the model produced non-finite logits (NaN or inf)"
+        logits[~finite] = 0.0
+        return failed
 
     def _verify(
         self,

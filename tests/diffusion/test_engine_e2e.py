@@ -115,9 +115,9 @@ def test_vocab_work_chunked_or_eager_gives_the_same_outputs(tiny_dg, monkeypatch
     steps = []
     denoise = llm.llm_engine.runner._denoise
 
-    def spy(states, lens, rows, hidden):
+    def spy(states, *args):
         steps.append(len(states))
-        return denoise(states, lens, rows, hidden)
+        return denoise(states, *args)
 
     monkeypatch.setattr(llm.llm_engine.runner, "_denoise", spy)
     assert _gen(llm, prompts, params) == want

@@ -154,9 +154,14 @@ class DiffusionModelRunner(ModelRunner):
         with model_forward(self.attn_backend, meta, self.kv_caches):
             hidden = self.model(input_ids, meta.positions, sc_rows, sc_soft)
 
+        failed: dict[str, str] = {}
         canvases = iter(
             self._denoise(
-                [states[b] for b in denoise], [int(n) for n in num_sched[denoise]], sc_rows, hidden
+                [states[b] for b in denoise],
+                [int(n) for n in num_sched[denoise]],
+                sc_rows,
+                hidden,
+                failed,
             )
         )
         sampled: list[list[int]] = []
@@ -177,7 +182,9 @@ class DiffusionModelRunner(ModelRunner):
                 self.stats.committed_tokens += n
                 sampled.append(committed)
                 spec.append(self._new_canvas(state).tokens.tolist())
-        return ModelRunnerOutput(req_ids, sampled, spec)
+        out = ModelRunnerOutput(req_ids, sampled, spec)
+        out.failed_req_ids = failed
+        return out
 
     def _check_phase(self, state: RequestState, so: SchedulerOutput, n: int) -> Phase:
         """The request's phase this step, cross-checked against what was scheduled."""
@@ -215,8 +222,11 @@ class DiffusionModelRunner(ModelRunner):
         lens: list[int],
         rows: torch.Tensor | None,  # [sum lens] rows of `hidden`, canvas after canvas
         hidden: torch.Tensor,  # [T, H]
+        failed: dict[str, str],
     ) -> list[list[int]]:
-        """One denoising step of each canvas (in order) -> each one's next spec tokens."""
+        """One denoising step of each canvas (in order) -> each one's next spec tokens.
+        A canvas with a non-finite logit goes into `failed` (its rows are zeroed, so the
+        chunk samples as usual; the scheduler discards its canvas)."""
         out: list[list[int]] = []
         if not states:
             return out
@@ -228,6 +238,14 @@ class DiffusionModelRunner(ModelRunner):
                 n, j = n + lens[j], j + 1
             h = hidden.index_select(0, rows[start : start + n])  # [n, H]
             logits = self.model.compute_logits(h, out=self._logits_buffer(n))  # [n, V] fp32
+            finite = torch.isfinite(logits).all(dim=-1)  # [n]
+            if not bool(finite.all()):
+                row = 0
+                for s, v in zip(states[i:j], lens[i:j], strict=True):
+                    if not bool(finite[row : row + v].all()):
+                        failed[s.req_id] = "the model produced non-finite logits (NaN or inf)"
+                    row += v
+                logits[~finite] = 0.0
             jobs = [
                 CanvasJob(self._canvas(s), v, self._seed(s))
                 for s, v in zip(states[i:j], lens[i:j], strict=True)
