@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--num-threads", type=int, default=None, help="impasto engine torch threads")
     args = p.parse_args()
 
-    from impasto.loader.default_model import ensure_default_model
+    from impasto.loader.packaged_models import ensure_default_model
 
     gguf = ensure_default_model()
     env = dict(os.environ)

@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["offline", "batch1"], default=None)
     args = parser.parse_args()
 
-    from impasto.loader.default_model import resolve_model
+    from impasto.loader.packaged_models import resolve_model
     from impasto.loader.gguf_loader import gguf_to_hf_config
 
     model = resolve_model(args.model)

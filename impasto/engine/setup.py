@@ -21,9 +21,9 @@ from impasto.config import (
 )
 from impasto.config.speculative import check_draft_compat, check_target_compat
 from impasto.errors import InvalidParameterError
-from impasto.loader.default_model import resolve_model
 from impasto.loader.gguf_loader import release_gguf_readers
 from impasto.loader.model_loader import load_config, load_model
+from impasto.loader.packaged_models import resolve_model
 from impasto.loader.tokenizer import (
     get_eos_token_id,
     get_stop_token_ids,

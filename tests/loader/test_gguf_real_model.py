@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from impasto.loader.default_model import ensure_default_model
 from impasto.loader.gguf_loader import gguf_to_hf_config, iter_gguf_weights
+from impasto.loader.packaged_models import ensure_default_model
 
 pytestmark = pytest.mark.slow
 

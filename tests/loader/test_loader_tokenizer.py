@@ -141,7 +141,7 @@ def test_hf_folder(tmp_path: Path) -> None:
 def test_default_model_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoTokenizer
 
-    from impasto.loader.default_model import ensure_default_model
+    from impasto.loader.packaged_models import ensure_default_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = ensure_default_model()

@@ -11,7 +11,7 @@ from impasto import LLM, SamplingParams
 from impasto.config.model import ModelConfig
 from impasto.engine.processor import InputProcessor
 from impasto.errors import InvalidParameterError
-from impasto.loader.default_model import ensure_default_model
+from impasto.loader.packaged_models import ensure_default_model
 from impasto.worker.sampler import Sampler, SamplingMetadata
 from tests.engine.test_detokenizer import byte_level
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from impasto import LLM, SamplingParams
-from impasto.loader.default_model import ensure_default_model
+from impasto.loader.packaged_models import ensure_default_model
 
 from .conftest import metrics
 

@@ -24,7 +24,7 @@ from impasto.engine.engine_client import AsyncEngineClient
 from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
 from impasto.entrypoints.openai.serving import ServerState
-from impasto.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
+from impasto.loader.packaged_models import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("impasto")
 
