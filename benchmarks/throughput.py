@@ -156,8 +156,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["offline", "batch1"], default=None)
     args = parser.parse_args()
 
-    from impasto.loader.packaged_models import resolve_model
     from impasto.loader.gguf_loader import gguf_to_hf_config
+    from impasto.loader.packaged_models import resolve_model
 
     model = resolve_model(args.model)
     workloads = make_workloads(gguf_to_hf_config(model).vocab_size, args)
