@@ -6,6 +6,8 @@ Invariants:
   the process sentinel is watched by the event loop, and its death fails every pending stream.
 - Leaving `generate()` early (client disconnect, cancellation) aborts the request in the engine,
   which frees its KV blocks.
+- `died` is set once, when the engine process is found dead (never on a requested shutdown):
+  the server watches it to answer 503 on /health and then exit non-zero.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class AsyncEngineClient:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self.died = asyncio.Event()  # set by `_mark_dead`
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
@@ -137,13 +140,16 @@ class AsyncEngineClient:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         if self._closed:
             return
-        proc.join(0)
+        # The sentinel closes a moment before the process can be reaped: wait for its status
+        # (bounded; microseconds in practice) so the log names the signal or exit code.
+        proc.join(0.5)
         self._mark_dead(f"exit code {proc.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
         if self.errored:
             return
         self.errored, self.dead_reason = True, reason
+        self.died.set()
         logger.error("engine process died unexpectedly (%s); failing in-flight requests", reason)
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))

@@ -157,7 +157,7 @@ def build_app(
         """Run a generation endpoint: fail fast when the engine is dead, and give every
         failure an OpenAI error body."""
         if not client.is_alive:
-            raise APIError("The engine process is dead; the server cannot generate.", 500)
+            raise APIError("The engine process is dead; the server is shutting down.", 503)
         try:
             return await handler(state, req, raw)
         except Exception as e:  # noqa: BLE001

@@ -3,7 +3,12 @@
 Order matters: the port is bound first (a busy port fails in milliseconds, not after loading a
 model); the engine process loads the model while this process loads the tokenizer; SIGTERM /
 Ctrl-C make uvicorn stop accepting, finish the open requests (up to the shutdown timeout), then
-the engine process drains and exits.
+the engine process drains and exits, and `serve()` returns 0.
+
+If the engine process dies on its own (killed, crashed), the open requests fail at once (the
+client's sentinel watch), `/health` answers 503, and after `engine_death_grace_s` (so a load
+balancer polling /health sees the 503) uvicorn shuts down gracefully and `serve()` returns
+`EXIT_ENGINE_DIED`: a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from impasto.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NA
 
 logger = logging.getLogger("impasto")
 
+EXIT_ENGINE_DIED = 3  # serve()'s status when the engine process died under it
+
 
 @dataclass
 class ServeConfig:
@@ -40,6 +47,7 @@ class ServeConfig:
     access_log: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    engine_death_grace_s: float = 2.0  # /health answers 503 this long before the exit
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -116,13 +124,33 @@ async def serve(cfg: ServeConfig) -> int:
     # engine shutdown below always runs.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    exit_code = 0
+
+    async def exit_when_engine_dies() -> None:
+        nonlocal exit_code
+        await client.died.wait()
+        exit_code = EXIT_ENGINE_DIED
+        logger.error(
+            "the engine process died (%s): /health answers 503; shutting down in %.1f s "
+            "(exit status %d)",
+            client.dead_reason,
+            cfg.engine_death_grace_s,
+            EXIT_ENGINE_DIED,
+        )
+        await asyncio.sleep(cfg.engine_death_grace_s)
+        server.should_exit = True  # uvicorn's graceful shutdown: open requests already failed
+
+    watcher = asyncio.create_task(exit_when_engine_dies(), name="engine-death-watch")
     print(_banner(cfg, names[0], port, client.engine_pid), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:
+        watcher.cancel()
         await client.shutdown()
         sock.close()
-    return 0
+    if exit_code:
+        logger.error("exiting with status %d: the engine process died", exit_code)
+    return exit_code
 
 
 def run_server(cfg: ServeConfig) -> int:
