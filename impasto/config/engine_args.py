@@ -46,6 +46,7 @@ class EngineArgs:
     served_model_name: str | None = None
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
     disable_log_stats: bool = False
+    max_waiting_requests: int | None = None  # bound on the waiting queue (None: unbounded)
 
     def __post_init__(self) -> None:
         def bad(name: str, message: str) -> InvalidParameterError:
@@ -61,6 +62,12 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise bad(name, f"{name} must be at least 1, got {value}.")
+        mwr = self.max_waiting_requests
+        if mwr is not None and (type(mwr) is not int or mwr < 0):
+            raise bad(
+                "max_waiting_requests",
+                f"max_waiting_requests must be an integer >= 0 (or None), got {mwr!r}.",
+            )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise bad("num_gpu_blocks_override", "num_gpu_blocks_override must be at least 2.")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -5,7 +5,9 @@ a step fails the requests of that step, with an error, and the engine goes on.
 
 Requests enter through the one admission path (`InputProcessor`: tokenized and validated once);
 `step()` returns per-request *deltas* (see `impasto/outputs.py`). The engine knows the runner
-only through its interface (`execute_model`, `take_stats`).
+only through its interface (`execute_model`, `take_stats`). With `max_waiting_requests` set,
+`add_request` refuses (`QueueFullError`, nothing enqueued) what would overfill the waiting
+queue, a request with `n` choices counting as `n`.
 """
 
 from __future__ import annotations
@@ -77,16 +79,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        """Validate and enqueue. Raises InvalidParameterError (nothing is enqueued) on bad input."""
+        """Validate and enqueue. Raises InvalidParameterError on bad input, QueueFullError when
+        the waiting queue is full (`max_waiting_requests`); either way nothing is enqueued."""
         request = self.process_request(request_id, prompt, params, arrival_time, priority)
         self.add_engine_request(request)
         return request.request_id
 
     def add_engine_request(self, request: EngineRequest) -> None:
-        """Enqueue a request that passed admission (in this process or in the API process)."""
+        """Enqueue a request that passed admission (in this process or in the API process).
+        Raises `QueueFullError` (nothing enqueued) when the waiting queue has no room for its
+        `n` choices."""
         rid = request.request_id
         if self.output_processor.has(rid):
             raise InvalidParameterError("request_id", f"request id {rid!r} is already in use.")
+        self.scheduler.check_waiting_room(request.params.n)
         children = self.output_processor.add(
             rid, request.prompt, request.prompt_token_ids, request.params
         )

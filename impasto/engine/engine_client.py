@@ -4,8 +4,8 @@ Invariants:
 - `generate()` ends in exactly one of: a delta with `finished`, `EngineRequestError` (the
   engine refused or failed this request) or `EngineDeadError`. It never waits on a dead engine:
   the process sentinel is watched by the event loop, and its death fails every pending stream.
-- Leaving `generate()` early (client disconnect, cancellation) aborts the request in the engine,
-  which frees its KV blocks.
+- Leaving `generate()` early (client disconnect, cancellation, a timeout) aborts the request in
+  the engine, which frees its KV blocks.
 - `died` is set once, when the engine process is found dead (never on a requested shutdown):
   the server watches it to answer 503 on /health and then exit non-zero.
 """
@@ -44,6 +44,7 @@ class EngineRequestError(Exception):
     def __init__(self, err: ipc.RequestError) -> None:
         super().__init__(err.message)
         self.status, self.param, self.message = err.status, err.param, err.message
+        self.reason = err.reason  # "queue_full" | "shutting_down" for a 503
 
 
 def _merge(first: ipc.RequestDelta, rest: list[ipc.RequestDelta]) -> ipc.RequestDelta:
@@ -194,14 +195,16 @@ class AsyncEngineClient:
         while True:
             msg = ipc.decode_output(await self._out.recv())
             if isinstance(msg, ipc.Outputs):
-                for delta in msg.deltas:
-                    q = self._queues.get(delta.request_id)
-                    if q is not None:
-                        q.put_nowait(delta)
+                # Errors first: a refused prompt of a multi-prompt request then fails it before
+                # the others' first deltas (a request never has both in one message).
                 for err in msg.errors:
                     q = self._queues.get(err.request_id)
                     if q is not None:
                         q.put_nowait(EngineRequestError(err))
+                for delta in msg.deltas:
+                    q = self._queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
             elif isinstance(msg, ipc.UtilityResult):
                 fut = self._utility.pop(msg.call_id, None)
                 if fut is not None and not fut.done():

@@ -1,8 +1,9 @@
 """The engine loop in its own process, driven by messages from the API process over ZMQ.
 
 Invariants:
-- Nothing a request does can end the loop: admission errors become `RequestError(400)`, a step
-  that raises fails the requests in flight (500) and the loop goes on.
+- Nothing a request does can end the loop: admission errors become `RequestError(400)`, a full
+  waiting queue `RequestError(503, reason="queue_full")`, a step that raises fails the requests
+  in flight (500) and the loop goes on.
 - Every request the loop accepted gets exactly one terminal message (a delta with `finished`,
   or an error), unless the API process aborted it first.
 - Requests arrive admitted (`EngineRequest`): nothing is re-tokenized or re-validated here;
@@ -21,7 +22,7 @@ import zmq
 
 from impasto.config.engine_args import EngineArgs
 from impasto.engine import ipc
-from impasto.errors import InvalidParameterError
+from impasto.errors import InvalidParameterError, QueueFullError
 
 logger = logging.getLogger("impasto")
 
@@ -51,6 +52,9 @@ class EngineLoop:
                 return
             if poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
+                if self.errors:  # refusals (queue full, ...) go out now, not after a step
+                    self.push.send(ipc.encode(ipc.Outputs([], self.errors)))
+                    self.errors = []
             deltas = self._step() if self.engine.has_unfinished_requests() else []
             if deltas or self.errors:
                 self.push.send(ipc.encode(ipc.Outputs(deltas, self.errors)))
@@ -83,12 +87,18 @@ class EngineLoop:
     def _add(self, msg: ipc.AddRequest) -> None:
         rid = msg.request.request_id
         if self.draining:
-            self.errors.append(ipc.RequestError(rid, "the engine is shutting down", 503))
+            refusal = ipc.RequestError(
+                rid, "The engine is shutting down.", 503, reason="shutting_down"
+            )
+            self.errors.append(refusal)
             return
         try:
             self.engine.add_engine_request(msg.request)
         except InvalidParameterError as e:  # e.g. a request id already in use
             self.errors.append(ipc.RequestError(rid, str(e), 400, e.param))
+            return
+        except QueueFullError as e:
+            self.errors.append(ipc.RequestError(rid, e.message, 503, reason="queue_full"))
             return
         except Exception as e:  # noqa: BLE001 - an engine bug refuses this request only
             logger.error("engine: add_request failed\n%s", traceback.format_exc())

@@ -26,6 +26,7 @@ _ENGINE_FLAGS = (
     "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
+    "max_waiting_requests",
 )  # fmt: skip
 
 
@@ -57,6 +58,15 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
     p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
     p.add_argument("--disable-log-stats", action="store_true", default=None)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bound on the requests waiting for a seat in the running batch (a request with "
+        "n choices counts n); past it new requests are refused (HTTP 503 with Retry-After). "
+        "Default: unbounded",
+    )
 
 
 def _model(args: argparse.Namespace) -> str | None:
@@ -208,6 +218,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from impasto.config.engine_args import EngineArgs
     from impasto.entrypoints.openai.server import ServeConfig, run_server
 
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SystemExit("impasto serve: --request-timeout must be a positive number of seconds")
     engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
     cfg = ServeConfig(
         engine_args=engine_args,
@@ -219,6 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout,
     )
     return run_server(cfg)
 
@@ -239,6 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--disable-uvicorn-access-log", action="store_true")
     srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0)
+    srv.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abort a generation request this long after it arrived (504, or an error event "
+        "in a stream); its KV blocks are freed. Default: no limit",
+    )
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")

@@ -1,7 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, one place.
 
-Invariant: every failure a client can cause is a 4xx with this body; 5xx only for engine
-failures. Error messages are bounded (a huge invalid body must not produce a huge error).
+Invariants:
+- every failure a client can cause is a 4xx with this body; 5xx only for engine failures,
+  overload (503 with `Retry-After`) and timeouts (504);
+- error messages are bounded (a huge invalid body must not produce a huge error).
 """
 
 from __future__ import annotations
@@ -29,16 +31,25 @@ _TYPES = {
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 _MAX_ERRORS, _MAX_INPUT_CHARS = 10, 200
+RETRY_AFTER_S = 1  # what a 503 (queue full, engine shutting down) asks clients to wait
 
 
 class APIError(Exception):
-    """Raised by handlers; turned into an error response."""
+    """Raised by handlers; turned into an error response (with `headers`, e.g. Retry-After)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -47,17 +58,25 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def as_api_error(exc: BaseException) -> APIError:
     """Map any exception from a handler to the status a client should see."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineRequestError):
+    if isinstance(exc, EngineRequestError):  # its message was made for clients by the engine
+        if exc.status == 503:
+            return unavailable(exc.message)
         return APIError(exc.message, exc.status, exc.param)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError):  # the request was in flight: it failed
         return APIError(str(exc), 500)
     if isinstance(exc, InvalidParameterError):  # every admission check raises this
         return APIError(exc.message, 400, exc.param)
@@ -101,9 +120,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:
         err = as_api_error(exc)
-        return error_response(err.message, err.status, err.param)
+        return error_response(err.message, err.status, err.param, err.headers)

@@ -47,6 +47,7 @@ class ServeConfig:
     access_log: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    request_timeout: float | None = None  # seconds from arrival; None: no limit
     engine_death_grace_s: float = 2.0  # /health answers 503 this long before the exit
 
 
@@ -104,6 +105,7 @@ async def serve(cfg: ServeConfig) -> int:
         raise
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
     state = ServerState(client, tokenizer, names, ServerMetrics(names[0]))
+    state.request_timeout_s = cfg.request_timeout
     app = build_app(state, cfg.api_key, cfg.max_body_bytes)
 
     @contextlib.asynccontextmanager
