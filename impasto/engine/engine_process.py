@@ -4,6 +4,8 @@ Invariants:
 - Nothing a request does can end the loop: admission errors become `RequestError(400)`, a full
   waiting queue `RequestError(503, reason="queue_full")`, a step that raises fails the requests
   in flight (500) and the loop goes on.
+- A 500's message is generic with an error id; the details (traceback) are logged here under
+  that id, never sent to the API process's clients.
 - Every request the loop accepted gets exactly one terminal message (a delta with `finished`,
   or an error), unless the API process aborted it first.
 - Requests arrive admitted (`EngineRequest`): nothing is re-tokenized or re-validated here;
@@ -17,6 +19,7 @@ import logging
 import os
 import signal
 import traceback
+import uuid
 
 import zmq
 
@@ -100,9 +103,9 @@ class EngineLoop:
         except QueueFullError as e:
             self.errors.append(ipc.RequestError(rid, e.message, 503, reason="queue_full"))
             return
-        except Exception as e:  # noqa: BLE001 - an engine bug refuses this request only
-            logger.error("engine: add_request failed\n%s", traceback.format_exc())
-            self.errors.append(ipc.RequestError(rid, f"{type(e).__name__}: {e}", 500))
+        except Exception:  # noqa: BLE001 - an engine bug refuses this request only
+            message = _internal_error("add_request failed")
+            self.errors.append(ipc.RequestError(rid, message, 500))
             return
         self.streams.add(rid)
 
@@ -138,9 +141,8 @@ class EngineLoop:
     def _step(self) -> list[ipc.RequestDelta]:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail what is in flight, keep the loop
-            logger.error("engine: step failed\n%s", traceback.format_exc())
-            self._fail_all(f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - fail what is in flight, keep the loop
+            self._fail_all(_internal_error("step failed"))
             return []
         deltas = []
         for out in outputs:
@@ -159,6 +161,13 @@ class EngineLoop:
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001
             logger.error("engine: abort after a failed step failed\n%s", traceback.format_exc())
+
+
+def _internal_error(what: str) -> str:
+    """Log the exception being handled under a fresh error id; return the client's message."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("engine: %s (error id %s)\n%s", what, error_id, traceback.format_exc())
+    return f"Internal server error: the engine failed this request (error id {error_id})."
 
 
 def run_engine_process(

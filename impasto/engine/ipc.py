@@ -65,7 +65,8 @@ class RequestDelta(msgspec.Struct):
 
 class RequestError(msgspec.Struct):
     """A request that was refused (status 400, `param` set; 503 when the engine cannot take it
-    now) or failed in the engine (500)."""
+    now) or failed in the engine (500). Messages never carry internals (exception types,
+    tracebacks, paths): a 500 names an error id that the engine process logged."""
 
     request_id: str
     message: str

@@ -3,12 +3,16 @@
 Invariants:
 - every failure a client can cause is a 4xx with this body; 5xx only for engine failures,
   overload (503 with `Retry-After`) and timeouts (504);
-- error messages are bounded (a huge invalid body must not produce a huge error).
+- error messages are bounded (a huge invalid body must not produce a huge error);
+- a 500 never shows internals (exception types, messages, tracebacks, file paths): its body is
+  "Internal server error (error id X)" and the details are logged under that id. A 400 names
+  the parameter at fault.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -64,6 +68,13 @@ def error_response(
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
+def internal_error(exc: BaseException) -> APIError:
+    """A generic 500 naming a fresh error id; the exception is logged under that id."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error (error id %s)", error_id, exc_info=exc)
+    return APIError(f"Internal server error (error id {error_id}).", 500)
+
+
 def unavailable(message: str) -> APIError:
     return APIError(message, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -84,8 +95,7 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 400)
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc), 501)
-    logger.exception("internal error", exc_info=exc)
-    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+    return internal_error(exc)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ import uvicorn
 
 from impasto.config.engine_args import EngineArgs
 from impasto.engine.engine_client import AsyncEngineClient
-from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
+from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, CorsSettings, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
 from impasto.entrypoints.openai.serving import ServerState
 from impasto.loader.default_model import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
@@ -41,13 +41,14 @@ class ServeConfig:
     engine_args: EngineArgs
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # none: no authentication
     served_model_name: list[str] = field(default_factory=list)
     log_level: str = "info"
     access_log: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     request_timeout: float | None = None  # seconds from arrival; None: no limit
+    cors: CorsSettings | None = None  # None or no origins: CORS closed
     engine_death_grace_s: float = 2.0  # /health answers 503 this long before the exit
 
 
@@ -69,7 +70,7 @@ def _banner(cfg: ServeConfig, name: str, port: int, engine_pid: int | None) -> s
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     url = f"http://{host}:{port}"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    auth = " -H 'Authorization: Bearer <API key>'" if cfg.api_keys else ""  # never the key
     return (
         f"impasto is serving {name} at {url}/v1 (OpenAI-compatible; "
         f"engine process pid {engine_pid})\n"
@@ -106,7 +107,7 @@ async def serve(cfg: ServeConfig) -> int:
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
     state = ServerState(client, tokenizer, names, ServerMetrics(names[0]))
     state.request_timeout_s = cfg.request_timeout
-    app = build_app(state, cfg.api_key, cfg.max_body_bytes)
+    app = build_app(state, cfg.api_keys, cfg.max_body_bytes, cfg.cors)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
