@@ -4,7 +4,7 @@ per-request timeout (504, blocks freed) and a client that leaves during a long p
 Two servers for the module. `limits`: 2 seats in the running batch, 2 waiting places and a
 4-token step budget (a 1500-token prompt takes ~375 steps of prefill). `timeouts`: 2 seats and
 a 10 s request timeout. Every test leaves its engine idle, with no KV block held. Bounds are
-loose: the machine these run on may be shared and slow (0.5 s per step has been seen).
+loose: the machine these run on may be busy and slow (0.5 s per step has been seen).
 """
 
 from __future__ import annotations
