@@ -49,6 +49,7 @@ class EngineArgs:
     # The step watchdog's deadline (None or 0: off; vLLM's default is 300 s too). A step running
     # longer fails its requests; one still running 4 deadlines later ends the engine.
     step_timeout_s: float | None = 300.0
+    max_waiting_requests: int | None = None  # bound on the waiting queue (None: unbounded)
 
     def __post_init__(self) -> None:
         def bad(name: str, message: str) -> InvalidParameterError:
@@ -64,6 +65,12 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise bad(name, f"{name} must be at least 1, got {value}.")
+        mwr = self.max_waiting_requests
+        if mwr is not None and (type(mwr) is not int or mwr < 0):
+            raise bad(
+                "max_waiting_requests",
+                f"max_waiting_requests must be an integer >= 0 (or None), got {mwr!r}.",
+            )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise bad("num_gpu_blocks_override", "num_gpu_blocks_override must be at least 2.")
         if self.scheduling_policy not in ("fcfs", "priority"):

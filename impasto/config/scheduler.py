@@ -30,6 +30,9 @@ class SchedulerConfig:
     # Admit a waiting request only if its whole sequence fits in the free blocks
     # (stops chunked prefill from over-admitting and then thrashing by preemption).
     reserve_full_sequence: bool = True
+    # Bound on the requests waiting for a seat in the running batch (None: unbounded); a new
+    # request that would exceed it is refused at admission (`QueueFullError`).
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -43,6 +46,11 @@ class SchedulerConfig:
         if self.num_blocks < 2:
             raise InvalidParameterError(
                 "num_blocks", f"num_blocks must be at least 2 (one is reserved): {self.num_blocks}."
+            )
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise InvalidParameterError(
+                "max_waiting_requests",
+                f"max_waiting_requests must be >= 0 (or None), got {self.max_waiting_requests}.",
             )
         if self.policy not in ("fcfs", "priority"):
             raise InvalidParameterError(

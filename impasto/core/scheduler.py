@@ -56,7 +56,7 @@ from impasto.core.request import Request, RequestStatus
 from impasto.core.request_queue import make_queue
 from impasto.core.spec_stats import SpecStats
 from impasto.core.stop import check_stop
-from impasto.errors import InvalidParameterError
+from impasto.errors import InvalidParameterError, QueueFullError
 
 PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
 
@@ -130,6 +130,17 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def check_waiting_room(self, num_requests: int) -> None:
+        """Raise `QueueFullError` if `num_requests` new requests would push the requests
+        waiting for a seat past `max_waiting_requests`. A free seat in the running batch
+        (below `max_num_seqs`) is not a wait: a burst on an idle engine is not refused."""
+        limit = self.config.max_waiting_requests
+        if limit is None:
+            return
+        free_seats = max(self.config.max_num_seqs - len(self.running), 0)
+        if len(self.waiting) + num_requests - free_seats > limit:
+            raise QueueFullError(num_requests, len(self.waiting), limit)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus

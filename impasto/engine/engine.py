@@ -9,7 +9,9 @@ engine is dead: `EngineDeadError`, so the process can exit and be restarted).
 
 Requests enter through the one admission path (`InputProcessor`: tokenized and validated once);
 `step()` returns per-request *deltas* (see `impasto/outputs.py`). The engine knows the runner
-only through its interface (`execute_model`, `take_stats`).
+only through its interface (`execute_model`, `take_stats`). With `max_waiting_requests` set,
+`add_request` refuses (`QueueFullError`, nothing enqueued) what would overfill the waiting
+queue, a request with `n` choices counting as `n`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+import uuid
 from itertools import count
 
 from impasto.config import EngineArgs, EngineConfig
@@ -87,16 +90,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        """Validate and enqueue. Raises InvalidParameterError (nothing is enqueued) on bad input."""
+        """Validate and enqueue. Raises InvalidParameterError on bad input, QueueFullError when
+        the waiting queue is full (`max_waiting_requests`); either way nothing is enqueued."""
         request = self.process_request(request_id, prompt, params, arrival_time, priority)
         self.add_engine_request(request)
         return request.request_id
 
     def add_engine_request(self, request: EngineRequest) -> None:
-        """Enqueue a request that passed admission (in this process or in the API process)."""
+        """Enqueue a request that passed admission (in this process or in the API process).
+        Raises `QueueFullError` (nothing enqueued) when the waiting queue has no room for its
+        `n` choices."""
         rid = request.request_id
         if self.output_processor.has(rid):
             raise InvalidParameterError("request_id", f"request id {rid!r} is already in use.")
+        self.scheduler.check_waiting_room(request.params.n)
         children = self.output_processor.add(
             rid, request.prompt, request.prompt_token_ids, request.params
         )
@@ -145,10 +152,12 @@ class LLMEngine:
             self.metrics.inc("impasto:step_timeouts")
             self._timed_out = so
             runner_out = _all_failed(so, str(e))
-        except Exception as e:  # noqa: BLE001 - isolate the failure to this step's requests
-            logger.error("step failed: %s\n%s", e, traceback.format_exc())
+        except Exception:  # noqa: BLE001 - isolate the failure to this step's requests
+            # Clients get an error id, the log gets the details (no internals in responses).
+            error_id = uuid.uuid4().hex[:12]
+            logger.error("step failed (error id %s)\n%s", error_id, traceback.format_exc())
             self.runner.discard_step(so)
-            runner_out = _all_failed(so, f"{type(e).__name__}: {e}")
+            runner_out = _all_failed(so, f"the model step failed (error id {error_id})")
         self.metrics.inc("impasto:step_failed_requests", len(runner_out.failed_req_ids))
         core_outputs = self.scheduler.update_from_output(so, runner_out)
         self._count_prompt_tokens(so)

@@ -4,8 +4,10 @@ Invariants:
 - `generate()` ends in exactly one of: a delta with `finished`, `EngineRequestError` (the
   engine refused or failed this request) or `EngineDeadError`. It never waits on a dead engine:
   the process sentinel is watched by the event loop, and its death fails every pending stream.
-- Leaving `generate()` early (client disconnect, cancellation) aborts the request in the engine,
-  which frees its KV blocks.
+- Leaving `generate()` early (client disconnect, cancellation, a timeout) aborts the request in
+  the engine, which frees its KV blocks.
+- `died` is set once, when the engine process is found dead (never on a requested shutdown):
+  the server watches it to answer 503 on /health and then exit non-zero.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class EngineRequestError(Exception):
     def __init__(self, err: ipc.RequestError) -> None:
         super().__init__(err.message)
         self.status, self.param, self.message = err.status, err.param, err.message
+        self.reason = err.reason  # "queue_full" | "shutting_down" for a 503
 
 
 def _merge(first: ipc.RequestDelta, rest: list[ipc.RequestDelta]) -> ipc.RequestDelta:
@@ -86,6 +89,7 @@ class AsyncEngineClient:
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self.died = asyncio.Event()  # set by `_mark_dead`
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
@@ -137,13 +141,16 @@ class AsyncEngineClient:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
         if self._closed:
             return
-        proc.join(0)
+        # The sentinel closes a moment before the process can be reaped: wait for its status
+        # (bounded; microseconds in practice) so the log names the signal or exit code.
+        proc.join(0.5)
         self._mark_dead(f"exit code {proc.exitcode}")
 
     def _mark_dead(self, reason: str) -> None:
         if self.errored:
             return
         self.errored, self.dead_reason = True, reason
+        self.died.set()
         logger.error("engine process died unexpectedly (%s); failing in-flight requests", reason)
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(reason))
@@ -188,14 +195,16 @@ class AsyncEngineClient:
         while True:
             msg = ipc.decode_output(await self._out.recv())
             if isinstance(msg, ipc.Outputs):
-                for delta in msg.deltas:
-                    q = self._queues.get(delta.request_id)
-                    if q is not None:
-                        q.put_nowait(delta)
+                # Errors first: a refused prompt of a multi-prompt request then fails it before
+                # the others' first deltas (a request never has both in one message).
                 for err in msg.errors:
                     q = self._queues.get(err.request_id)
                     if q is not None:
                         q.put_nowait(EngineRequestError(err))
+                for delta in msg.deltas:
+                    q = self._queues.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
             elif isinstance(msg, ipc.UtilityResult):
                 fut = self._utility.pop(msg.call_id, None)
                 if fut is not None and not fut.done():

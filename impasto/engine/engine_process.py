@@ -1,8 +1,11 @@
 """The engine loop in its own process, driven by messages from the API process over ZMQ.
 
 Invariants:
-- Nothing a request does can end the loop: admission errors become `RequestError(400)`, a step
-  that raises fails the requests in flight (500) and the loop goes on.
+- Nothing a request does can end the loop: admission errors become `RequestError(400)`, a full
+  waiting queue `RequestError(503, reason="queue_full")`, a step that raises fails the requests
+  in flight (500) and the loop goes on.
+- A 500's message is generic with an error id; the details (traceback) are logged here under
+  that id, never sent to the API process's clients.
 - Every request the loop accepted gets exactly one terminal message (a delta with `finished`,
   or an error), unless the API process aborted it first.
 - Requests arrive admitted (`EngineRequest`): nothing is re-tokenized or re-validated here;
@@ -18,13 +21,14 @@ import logging
 import os
 import signal
 import traceback
+import uuid
 
 import zmq
 
 from impasto.config.engine_args import EngineArgs
 from impasto.engine import ipc
 from impasto.engine.step_watchdog import EngineDeadError
-from impasto.errors import InvalidParameterError
+from impasto.errors import InvalidParameterError, QueueFullError
 
 logger = logging.getLogger("impasto")
 
@@ -54,6 +58,9 @@ class EngineLoop:
                 return
             if poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
+                if self.errors:  # refusals (queue full, ...) go out now, not after a step
+                    self.push.send(ipc.encode(ipc.Outputs([], self.errors)))
+                    self.errors = []
             deltas = self._step() if self.engine.has_unfinished_requests() else []
             if deltas or self.errors:
                 self.push.send(ipc.encode(ipc.Outputs(deltas, self.errors)))
@@ -86,16 +93,22 @@ class EngineLoop:
     def _add(self, msg: ipc.AddRequest) -> None:
         rid = msg.request.request_id
         if self.draining:
-            self.errors.append(ipc.RequestError(rid, "the engine is shutting down", 503))
+            refusal = ipc.RequestError(
+                rid, "The engine is shutting down.", 503, reason="shutting_down"
+            )
+            self.errors.append(refusal)
             return
         try:
             self.engine.add_engine_request(msg.request)
         except InvalidParameterError as e:  # e.g. a request id already in use
             self.errors.append(ipc.RequestError(rid, str(e), 400, e.param))
             return
-        except Exception as e:  # noqa: BLE001 - an engine bug refuses this request only
-            logger.error("engine: add_request failed\n%s", traceback.format_exc())
-            self.errors.append(ipc.RequestError(rid, f"{type(e).__name__}: {e}", 500))
+        except QueueFullError as e:
+            self.errors.append(ipc.RequestError(rid, e.message, 503, reason="queue_full"))
+            return
+        except Exception:  # noqa: BLE001 - an engine bug refuses this request only
+            message = _internal_error("add_request failed")
+            self.errors.append(ipc.RequestError(rid, message, 500))
             return
         self.streams.add(rid)
 
@@ -133,12 +146,11 @@ class EngineLoop:
             outputs = self.engine.step()
         except EngineDeadError as e:  # fail what is in flight, then the process exits
             logger.error("engine: %s; exiting", e)
-            self._fail_all(str(e))
+            self._fail_all(str(e))  # says what happened; no internals
             self.push.send(ipc.encode(ipc.Outputs([], self.errors)))
             raise
-        except Exception as e:  # noqa: BLE001 - fail what is in flight, keep the loop
-            logger.error("engine: step failed\n%s", traceback.format_exc())
-            self._fail_all(f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - fail what is in flight, keep the loop
+            self._fail_all(_internal_error("step failed"))
             return []
         deltas = []
         for out in outputs:
@@ -157,6 +169,13 @@ class EngineLoop:
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001
             logger.error("engine: abort after a failed step failed\n%s", traceback.format_exc())
+
+
+def _internal_error(what: str) -> str:
+    """Log the exception being handled under a fresh error id; return the client's message."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("engine: %s (error id %s)\n%s", what, error_id, traceback.format_exc())
+    return f"Internal server error: the engine failed this request (error id {error_id})."
 
 
 def run_engine_process(

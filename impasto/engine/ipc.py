@@ -64,12 +64,15 @@ class RequestDelta(msgspec.Struct):
 
 
 class RequestError(msgspec.Struct):
-    """A request that was refused (status 400, `param` set) or failed in the engine (500)."""
+    """A request that was refused (status 400, `param` set; 503 when the engine cannot take it
+    now) or failed in the engine (500). Messages never carry internals (exception types,
+    tracebacks, paths): a 500 names an error id that the engine process logged."""
 
     request_id: str
     message: str
     status: int = 400
     param: str | None = None
+    reason: str | None = None  # "queue_full" | "shutting_down" for a 503
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -151,6 +151,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
         uniform_spec_decode_padding=bool(spec and spec.uniform_spec_decode_padding),
+        max_waiting_requests=args.max_waiting_requests,
     )
     runner: ModelRunner
     if dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step

@@ -1,12 +1,15 @@
 """The `impasto` command: serve, generate, chat, download, bench serve.
 
-Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...).
+Engine flags carry vLLM's names (`--max-model-len`, `--max-num-seqs`, `--block-size`, ...),
+and so do the server's CORS flags. `impasto serve` accepts every `--api-key` given plus the
+comma-separated keys of the `IMPASTO_API_KEY` environment variable.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -26,8 +29,28 @@ _ENGINE_FLAGS = (
     "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
-    "step_timeout_s",
+    "step_timeout_s", "max_waiting_requests",
 )  # fmt: skip
+API_KEY_ENV = "IMPASTO_API_KEY"
+
+
+def _list_arg(text: str) -> list[str]:
+    """A list flag value: a JSON list (vLLM's form, e.g. '["https://a.example"]') or
+    comma-separated items."""
+    if text.lstrip().startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def api_keys(flags: list[str] | None, env_value: str | None) -> list[str]:
+    """Every accepted API key: each `--api-key`, then the comma-separated keys of the
+    environment variable; blanks dropped, duplicates kept once, order kept."""
+    keys = [k.strip() for k in flags or []]
+    keys += [k.strip() for k in (env_value or "").split(",")]
+    return list(dict.fromkeys(k for k in keys if k))
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -65,6 +88,15 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
         help="seconds a model step may take before its requests fail (default 300; 0: none)",
     )
     p.add_argument("--disable-log-stats", action="store_true", default=None)
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bound on the requests waiting for a seat in the running batch (a request with "
+        "n choices counts n); past it new requests are refused (HTTP 503 with Retry-After). "
+        "Default: unbounded",
+    )
 
 
 def _model(args: argparse.Namespace) -> str | None:
@@ -185,8 +217,9 @@ def _remote_chat(args: argparse.Namespace, messages: list[dict]) -> str:
     if args.served_model:
         body["model"] = args.served_model
     headers = {"Content-Type": "application/json"}
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
+    keys = api_keys([args.api_key] if args.api_key else None, os.environ.get(API_KEY_ENV))
+    if keys:
+        headers["Authorization"] = f"Bearer {keys[0]}"
     url = args.url.rstrip("/") + "/chat/completions"
     req = urllib.request.Request(url, json.dumps(body).encode(), headers)
     reply = ""
@@ -224,25 +257,38 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from impasto.config.engine_args import EngineArgs
+    from impasto.entrypoints.openai.app import CorsSettings
     from impasto.entrypoints.openai.server import ServeConfig, run_server
 
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SystemExit("impasto serve: --request-timeout must be a positive number of seconds")
+    try:
+        cors = CorsSettings(
+            allowed_origins=args.allowed_origins or (),
+            allowed_methods=args.allowed_methods or CorsSettings.allowed_methods,
+            allowed_headers=args.allowed_headers or CorsSettings.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        )
+    except ValueError as e:
+        raise SystemExit(f"impasto serve: --allow-credentials: {e}") from None
     engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
     cfg = ServeConfig(
         engine_args=engine_args,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_keys=api_keys(args.api_key, os.environ.get(API_KEY_ENV)),
         served_model_name=args.served_model_name or [],
         log_level=args.log_level,
         access_log=not args.disable_uvicorn_access_log,
         max_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeout=args.request_timeout,
+        cors=cors,
     )
     return run_server(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
 
     parser = argparse.ArgumentParser(prog="impasto", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,12 +297,53 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_flags(srv, positional_model=True)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=os.environ.get("IMPASTO_API_KEY"))
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (every path but /health, /ping, /metrics, "
+        f"/version); repeat for several keys. The {API_KEY_ENV} environment variable adds "
+        "more: a comma-separated list of keys, accepted alongside these",
+    )
     srv.add_argument("--served-model-name", nargs="+", default=None)
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.add_argument("--disable-uvicorn-access-log", action="store_true")
-    srv.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    srv.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="larger bodies are refused with 413 (declared or chunked). Default: 16 MiB",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=30.0)
+    srv.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="abort a generation request this long after it arrived (504, or an error event "
+        "in a stream); its KV blocks are freed. Default: no limit",
+    )
+    cors = srv.add_argument_group("CORS (closed unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins",
+        type=_list_arg,
+        default=None,
+        help="origins allowed to call the API from a browser: comma-separated or a JSON list "
+        '(\'["https://app.example"]\'); "*" for any',
+    )
+    cors.add_argument("--allowed-methods", type=_list_arg, default=None, help="default: GET,POST")
+    cors.add_argument(
+        "--allowed-headers",
+        type=_list_arg,
+        default=None,
+        help="default: Authorization,Content-Type",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow credentialed cross-origin requests (not with the '*' origin)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
@@ -271,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="interactive chat (in-process, or with --url a server)")
     _add_engine_flags(chat, positional_model=True)
     chat.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000/v1")
-    chat.add_argument("--api-key", default=os.environ.get("IMPASTO_API_KEY"))
+    chat.add_argument("--api-key", default=None, help=f"default: the first key of {API_KEY_ENV}")
     chat.add_argument("--served-model", default=None, help="model name for --url")
     chat.add_argument("--system-prompt", default=None)
     chat.add_argument("--max-tokens", type=int, default=512)

@@ -46,8 +46,14 @@ class LLM:
             engine.process_request(None, prompt, params, priority=priority[i] if priority else 0)
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        for request in requests:
-            engine.add_engine_request(request)
+        added: list[str] = []
+        try:
+            for request in requests:
+                engine.add_engine_request(request)  # QueueFullError with a bounded queue
+                added.append(request.request_id)
+        except BaseException:
+            engine.abort_request(added)  # all or nothing: the call leaves no request behind
+            raise
         return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(

@@ -68,14 +68,22 @@ class Server:
         return stop_server(self.proc, timeout_s)
 
 
-def start_server(tmp: Path, api_key: str | None = API_KEY, extra: list[str] = ()) -> Server:
+def start_server(
+    tmp: Path,
+    api_key: str | None = API_KEY,
+    extra: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> Server:
+    """Start a server; `env` adds environment variables (IMPASTO_API_KEY is cleared unless
+    given there, so the tests see only the keys they pass)."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
     cmd = [sys.executable, "-m", "impasto.entrypoints.cli", "serve", "--port", str(port)]
     cmd += SERVER_FLAGS + list(extra)
     if api_key:
         cmd += ["--api-key", api_key]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    base = {k: v for k, v in os.environ.items() if k != "IMPASTO_API_KEY"}
+    env = dict(base, PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes it; closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, port, log_path, api_key)

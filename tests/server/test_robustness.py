@@ -1,4 +1,4 @@
-"""Client disconnects, an abort storm, engine-process death and SIGTERM."""
+"""Client disconnects, an abort storm, engine-process death (SIGKILL) under load, SIGTERM."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -87,29 +88,80 @@ def test_abort_storm_others_exact(server):
     wait_idle(server, timeout_s=30)
 
 
-def test_engine_death_and_sigterm(tmp_path):
+def _timed_post(url: str, body: dict) -> tuple[httpx.Response, float]:
+    r = httpx.post(url, json=body, timeout=120)
+    return r, time.monotonic()
+
+
+def _timed_rest(lines) -> tuple[list[str], float]:
+    rest = [line for line in lines if line]
+    return rest, time.monotonic()
+
+
+def test_engine_sigkill_under_load(tmp_path):
+    """SIGKILL the engine process with 3 streaming and 3 non-streaming requests in flight:
+    /health answers 503 within 5 s, every request ends with an error within 10 s (streams: an
+    error event then [DONE]; the others: a 500 with an OpenAI error body), new requests get a
+    503 at once, and the server exits by itself, non-zero, after ~2 s of 503s."""
     srv = start_server(tmp_path, api_key=None)
+    pool = ThreadPoolExecutor(8)
+    streams = []
     try:
-        client, resp = _open_stream(srv, max_tokens=450)
-        lines = resp.iter_lines()
-        assert next(lines).startswith("data: {")
-        os.kill(srv.engine_pid(), signal.SIGKILL)
-        t0 = time.monotonic()
-        rest = list(lines)  # the stream must end promptly, with an error chunk and [DONE]
-        assert time.monotonic() - t0 < 10
-        assert any(line.startswith('data: {"error"') for line in rest), rest[-3:]
-        assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]"
-        client.close()
-        deadline = time.monotonic() + 10
-        while httpx.get(srv.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline
+        for _ in range(3):
+            client, resp = _open_stream(srv, max_tokens=450)
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            streams.append((client, resp, lines))
+        body = {"prompt": "Tell me a long story.", "max_tokens": 450}
+        body |= {"ignore_eos": True, "temperature": 0}
+        posts = [pool.submit(_timed_post, srv.url + "/v1/completions", body) for _ in range(3)]
+        deadline = time.monotonic() + 120
+        while metric_values(srv)[("impasto:num_requests_running", ())] < 6:
+            assert time.monotonic() < deadline, "the 6 requests never ran together"
+            assert not any(f.done() for f in posts), [f.result() for f in posts if f.done()]
             time.sleep(0.1)
+
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        t_kill = time.monotonic()
+        stream_ends = [pool.submit(_timed_rest, lines) for _, _, lines in streams]
+        while httpx.get(srv.url + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() - t_kill < 5, "/health still 200 5 s after the kill"
+            time.sleep(0.05)
+        to_503 = time.monotonic() - t_kill
         t0 = time.monotonic()
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
-        assert r.status_code == 500 and r.json()["error"]["code"] == 500
-        assert time.monotonic() - t0 < 2  # fails fast
-        assert srv.stop(timeout_s=20) == 0  # SIGTERM: clean exit
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+        assert time.monotonic() - t0 < 2  # refused at once, not queued on a dead engine
+
+        ends = []
+        for f in stream_ends:
+            rest, t_end = f.result(timeout=30)
+            assert any(line.startswith('data: {"error"') for line in rest), rest[-3:]
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            ends.append(t_end - t_kill)
+        for f in posts:
+            r, t_end = f.result(timeout=30)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == 500
+            assert "engine process is dead" in err["message"]
+            ends.append(t_end - t_kill)
+        assert len(ends) == 6 and max(ends) < 10, ends
+
+        code = srv.proc.wait(timeout=60)  # by itself: no signal sent to the server
+        to_exit = time.monotonic() - t_kill
+        assert code == 3, (code, srv.log()[-2000:])
+        assert to_exit >= 1.5, to_exit  # /health kept answering 503 for the grace period
+        assert "exiting with status 3" in srv.log()
+        print(
+            f"\nSIGKILL under load: 503 after {to_503:.2f} s; 6/6 in-flight requests failed, "
+            f"the last after {max(ends):.2f} s; server exited with {code} after {to_exit:.2f} s"
+        )
     finally:
+        for client, resp, _ in streams:
+            resp.close()
+            client.close()
+        pool.shutdown(wait=False, cancel_futures=True)
         srv.stop()
 
 

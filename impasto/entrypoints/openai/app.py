@@ -1,14 +1,28 @@
-"""The FastAPI application: routes, API-key and body-size guard, error handlers."""
+"""The FastAPI application: routes, API-key and body-size guard, CORS, error handlers.
+
+Invariants:
+- with API keys configured, every path but the open ones (`/health`, `/ping`, `/metrics`,
+  `/version`) needs `Authorization: Bearer <key>` for one of them; the given key is compared
+  with every configured key in constant time (digests of equal length, no early exit);
+- a body larger than the cap is refused with 413 before the app sees it, whether its size is
+  declared (Content-Length) or not (chunked);
+- CORS is closed unless allowed origins are configured: no CORS headers at all by default;
+- while the engine process is dead, generation requests are refused at once (503).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 
 from impasto import __version__
 from impasto.entrypoints.openai.errors import (
@@ -33,14 +47,56 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 _OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}  # reachable without an API key
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """Starlette's CORSMiddleware settings (vLLM's flag names); no origins: CORS closed."""
+
+    allowed_origins: Sequence[str] = ()
+    allowed_methods: Sequence[str] = ("GET", "POST")
+    allowed_headers: Sequence[str] = ("Authorization", "Content-Type")
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError(
+                "allow_credentials with the '*' origin would let any web page make "
+                "credentialed requests: list the allowed origins instead."
+            )
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+class KeyChecker:
+    """Constant-time check of a bearer token against every configured key: each comparison is
+    of two SHA-256 digests (equal lengths, so the key's length does not leak) and all of them
+    run, whatever matched, so timing does not tell which key (or how many) matched."""
+
+    def __init__(self, api_keys: Sequence[str]) -> None:
+        self._digests = [_digest(k.encode()) for k in api_keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, authorization: bytes) -> bool:
+        scheme, _, token = authorization.partition(b" ")
+        given = _digest(token.strip())
+        ok = False
+        for expected in self._digests:
+            ok |= hmac.compare_digest(given, expected)
+        return ok and scheme.lower() == b"bearer"
+
+
 class GuardMiddleware:
-    """Pure ASGI (streaming-safe): the API key (constant-time comparison) and a body-size cap.
+    """Pure ASGI (streaming-safe): the API keys (`KeyChecker`) and a body-size cap.
     The body is read here, up to the cap, then replayed to the app; later `receive()` calls
     (client-disconnect detection) go to the server as usual."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_keys: Sequence[str], max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = KeyChecker(api_keys)
         self.max_body = max_body_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -48,9 +104,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in _OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+        if self.keys.enabled and scope["path"] not in _OPEN_PATHS:
+            if not self.keys.check(headers.get(b"authorization", b"")):
                 await _reply(send, 401, "Invalid or missing API key.", "api_key")
                 return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -92,12 +147,25 @@ async def _reply(send: Any, status: int, message: str, param: str | None = None)
 
 
 def build_app(
-    state: ServerState, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    state: ServerState,
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    cors: CorsSettings | None = None,
 ) -> FastAPI:
     app = FastAPI(title="impasto", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_keys=list(api_keys), max_body_bytes=max_body_bytes)
+    if cors is not None and cors.allowed_origins:
+        # Added last, so outermost: preflights are answered before the key check, and the
+        # guard's 401 / 413 replies carry the CORS headers a browser needs to read them.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
     client = state.client
 
     @app.get("/health")
@@ -157,7 +225,7 @@ def build_app(
         """Run a generation endpoint: fail fast when the engine is dead, and give every
         failure an OpenAI error body."""
         if not client.is_alive:
-            raise APIError("The engine process is dead; the server cannot generate.", 500)
+            raise APIError("The engine process is dead; the server is shutting down.", 503)
         try:
             return await handler(state, req, raw)
         except Exception as e:  # noqa: BLE001

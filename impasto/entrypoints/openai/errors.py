@@ -1,12 +1,18 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, one place.
 
-Invariant: every failure a client can cause is a 4xx with this body; 5xx only for engine
-failures. Error messages are bounded (a huge invalid body must not produce a huge error).
+Invariants:
+- every failure a client can cause is a 4xx with this body; 5xx only for engine failures,
+  overload (503 with `Retry-After`) and timeouts (504);
+- error messages are bounded (a huge invalid body must not produce a huge error);
+- a 500 never shows internals (exception types, messages, tracebacks, file paths): its body is
+  "Internal server error (error id X)" and the details are logged under that id. A 400 names
+  the parameter at fault.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -29,16 +35,25 @@ _TYPES = {
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 _MAX_ERRORS, _MAX_INPUT_CHARS = 10, 200
+RETRY_AFTER_S = 1  # what a 503 (queue full, engine shutting down) asks clients to wait
 
 
 class APIError(Exception):
-    """Raised by handlers; turned into an error response."""
+    """Raised by handlers; turned into an error response (with `headers`, e.g. Retry-After)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -47,17 +62,32 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
     return ErrorResponse(error=info).model_dump()
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """A generic 500 naming a fresh error id; the exception is logged under that id."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error (error id %s)", error_id, exc_info=exc)
+    return APIError(f"Internal server error (error id {error_id}).", 500)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def as_api_error(exc: BaseException) -> APIError:
     """Map any exception from a handler to the status a client should see."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineRequestError):
+    if isinstance(exc, EngineRequestError):  # its message was made for clients by the engine
+        if exc.status == 503:
+            return unavailable(exc.message)
         return APIError(exc.message, exc.status, exc.param)
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, EngineDeadError):  # the request was in flight: it failed
         return APIError(str(exc), 500)
     if isinstance(exc, InvalidParameterError):  # every admission check raises this
         return APIError(exc.message, 400, exc.param)
@@ -65,8 +95,7 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 400)
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc), 501)
-    logger.exception("internal error", exc_info=exc)
-    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+    return internal_error(exc)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -101,9 +130,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> JSONResponse:
         err = as_api_error(exc)
-        return error_response(err.message, err.status, err.param)
+        return error_response(err.message, err.status, err.param, err.headers)

@@ -1,7 +1,9 @@
 """Prometheus metrics: engine counters/gauges (fetched from the engine process) plus latency
 histograms measured here, in the API process, from request arrival (as vLLM does).
 
-Names are vLLM's with the `impasto:` prefix; counters get `_total` on the wire.
+Names are vLLM's with the `impasto:` prefix; counters get `_total` on the wire. The overload
+counters (`impasto:request_rejected_total{reason}`, `impasto:request_timeout_total`) are
+impasto's own, counted here where the refusal or the timeout reaches the client.
 """
 
 from __future__ import annotations
@@ -81,10 +83,27 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self.rejected = Counter(
+            "impasto:request_rejected",
+            "Requests refused at admission, by reason (queue_full: the waiting queue was at "
+            "--max-waiting-requests).",
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.timeouts = Counter(
+            "impasto:request_timeout",
+            "Requests aborted because they ran past --request-timeout.",
+            labels,
+            registry=r,
+        ).labels(name)
+        self.rejected.labels(name, "queue_full")  # exported as 0 before the first refusal
         self._model_name = model_name
 
     def finished(self, reason: str) -> None:
         self.success.labels(self._model_name, reason).inc()
+
+    def rejected_request(self, reason: str) -> None:
+        self.rejected.labels(self._model_name, reason).inc()
 
     def render(self, engine_snapshot: list[list] | None) -> bytes:
         if engine_snapshot is not None:

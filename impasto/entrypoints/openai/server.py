@@ -3,7 +3,12 @@
 Order matters: the port is bound first (a busy port fails in milliseconds, not after loading a
 model); the engine process loads the model while this process loads the tokenizer; SIGTERM /
 Ctrl-C make uvicorn stop accepting, finish the open requests (up to the shutdown timeout), then
-the engine process drains and exits.
+the engine process drains and exits, and `serve()` returns 0.
+
+If the engine process dies on its own (killed, crashed), the open requests fail at once (the
+client's sentinel watch), `/health` answers 503, and after `engine_death_grace_s` (so a load
+balancer polling /health sees the 503) uvicorn shuts down gracefully and `serve()` returns
+`EXIT_ENGINE_DIED`: a supervisor restarts the server.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import uvicorn
 
 from impasto.config.engine_args import EngineArgs
 from impasto.engine.engine_client import AsyncEngineClient
-from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, build_app
+from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, CorsSettings, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
 from impasto.entrypoints.openai.serving import ServerState
 from impasto.loader.packaged_models import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("impasto")
+
+EXIT_ENGINE_DIED = 3  # serve()'s status when the engine process died under it
 
 
 @dataclass
@@ -34,12 +41,15 @@ class ServeConfig:
     engine_args: EngineArgs
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # none: no authentication
     served_model_name: list[str] = field(default_factory=list)
     log_level: str = "info"
     access_log: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    request_timeout: float | None = None  # seconds from arrival; None: no limit
+    cors: CorsSettings | None = None  # None or no origins: CORS closed
+    engine_death_grace_s: float = 2.0  # /health answers 503 this long before the exit
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -60,7 +70,7 @@ def _banner(cfg: ServeConfig, name: str, port: int, engine_pid: int | None) -> s
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     url = f"http://{host}:{port}"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
-    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    auth = " -H 'Authorization: Bearer <API key>'" if cfg.api_keys else ""  # never the key
     return (
         f"impasto is serving {name} at {url}/v1 (OpenAI-compatible; "
         f"engine process pid {engine_pid})\n"
@@ -96,7 +106,8 @@ async def serve(cfg: ServeConfig) -> int:
         raise
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
     state = ServerState(client, tokenizer, names, ServerMetrics(names[0]))
-    app = build_app(state, cfg.api_key, cfg.max_body_bytes)
+    state.request_timeout_s = cfg.request_timeout
+    app = build_app(state, cfg.api_keys, cfg.max_body_bytes, cfg.cors)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -116,13 +127,33 @@ async def serve(cfg: ServeConfig) -> int:
     # engine shutdown below always runs.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    exit_code = 0
+
+    async def exit_when_engine_dies() -> None:
+        nonlocal exit_code
+        await client.died.wait()
+        exit_code = EXIT_ENGINE_DIED
+        logger.error(
+            "the engine process died (%s): /health answers 503; shutting down in %.1f s "
+            "(exit status %d)",
+            client.dead_reason,
+            cfg.engine_death_grace_s,
+            EXIT_ENGINE_DIED,
+        )
+        await asyncio.sleep(cfg.engine_death_grace_s)
+        server.should_exit = True  # uvicorn's graceful shutdown: open requests already failed
+
+    watcher = asyncio.create_task(exit_when_engine_dies(), name="engine-death-watch")
     print(_banner(cfg, names[0], port, client.engine_pid), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:
+        watcher.cancel()
         await client.shutdown()
         sock.close()
-    return 0
+    if exit_code:
+        logger.error("exiting with status %d: the engine process died", exit_code)
+    return exit_code
 
 
 def run_server(cfg: ServeConfig) -> int:

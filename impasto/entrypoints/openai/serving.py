@@ -37,6 +37,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     max_n: int = 128
+    request_timeout_s: float | None = None  # generation requests are aborted past it (504)
     processor: InputProcessor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,10 +151,13 @@ class PromptRun:
 
 
 def close_runs(runs: list[PromptRun], exc: BaseException | None) -> None:
-    """Account for runs left unfinished: a client that left (abort), an engine failure
-    (error), or a request refused by the engine's admission checks (not counted)."""
+    """Account for runs left unfinished: a client that left or a timeout (abort), an engine
+    failure (error), or a request refused at admission (4xx, 503: not counted)."""
     status = getattr(exc, "status", 500) if isinstance(exc, Exception) else None
-    reason = "abort" if status is None else ("error" if status >= 500 else None)
+    if status is None or status == 504:
+        reason: str | None = "abort"
+    else:
+        reason = "error" if status >= 500 and status != 503 else None
     for r in runs:
         r.close(reason)
 

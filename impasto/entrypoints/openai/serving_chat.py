@@ -67,7 +67,8 @@ def chat_prompt_ids(
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-        raise APIError(f"chat template error: {type(e).__name__}: {e}", 400, "messages") from e
+        # The template's own message (e.g. "roles must alternate"), never the exception type.
+        raise APIError(f"chat template error: {e}", 400, "messages") from e
     # The template already carries the special tokens.
     return state.tokenizer(text, add_special_tokens=False).input_ids
 
