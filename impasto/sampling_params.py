@@ -1,7 +1,10 @@
 """`SamplingParams`: vLLM's field names and validation, pure Python.
 
 Every invalid value raises `InvalidParameterError` naming the parameter, at construction, so a
-bad request is refused at admission and never reaches the step loop. Checks that need the model
+bad request is refused at admission and never reaches the step loop: wrong types, NaN, values
+out of range and anything over a cap of `impasto.limits` (integers within 64 bits, list and map
+sizes, string lengths, text that is not valid Unicode). Error messages echo at most
+`MAX_ECHO_CHARS` of a bad value. Checks that need the model
 (token ids within the vocabulary, words to token ids) are `verify_for_model` and
 `update_from_tokenizer`, run once by the admission path (`engine/processor.py`).
 
@@ -14,12 +17,14 @@ that cannot honour a parameter refuse any non-default value of it (`non_default_
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from enum import IntEnum
 from typing import Any, cast
 
 import msgspec
 
+from impasto import limits
 from impasto.errors import InvalidParameterError
 
 _GREEDY_EPS = 1e-5
@@ -29,18 +34,59 @@ def _bad(param: str, msg: str) -> InvalidParameterError:
     return InvalidParameterError(param, f"{param} {msg}")
 
 
+def show(value: object) -> str:
+    """`repr(value)` cut to `limits.MAX_ECHO_CHARS`: what an error message may echo."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too large to print
+        return f"<{type(value).__name__} too large to show>"
+    cap = limits.MAX_ECHO_CHARS
+    return text if len(text) <= cap else text[:cap] + "..."
+
+
+def is_valid_text(text: str) -> bool:
+    """Whether `text` is valid Unicode: no lone surrogate (which JSON's "\\ud800" escape can
+    smuggle in, and which no tokenizer or UTF-8 encoder accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def holds_invalid_text(value: object) -> bool:
+    """Whether a JSON-shaped value (strings, lists, dicts) holds a string that is not valid
+    Unicode anywhere in it; objects of other types are skipped."""
+    if isinstance(value, str):
+        return not is_valid_text(value)
+    if isinstance(value, (list, tuple, dict)):
+        text = json.dumps(value, ensure_ascii=False, default=lambda _: None)
+        return not is_valid_text(text)
+    return False
+
+
+_MAX_KEY_CHARS = 24  # a token id as a JSON key: 64-bit ids have at most 20 digits
+
+
 def _normalize_logit_bias(bias: object) -> dict[int | str, float] | None:
     """OpenAI clients send JSON, whose keys are strings: accept "123" as token id 123."""
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise _bad("logit_bias", f"must be a dict of token id -> bias, got {bias!r}.")
+        raise _bad("logit_bias", f"must be a dict of token id -> bias, got {show(bias)}.")
+    if len(bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad(
+            "logit_bias",
+            f"may have at most {limits.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}.",
+        )
     out: dict[int | str, float] = {}  # int keys only, typed as the field is
     for key, value in bias.items():
         if isinstance(key, bool):
             key = None
         elif isinstance(key, str):
-            key = int(key) if key.strip().lstrip("-").isdigit() else None
+            digits = key.strip().removeprefix("-")
+            ok = digits.isascii() and digits.isdigit() and len(digits) <= _MAX_KEY_CHARS
+            key = int(key) if ok else None
         if not isinstance(key, int):
             raise _bad(
                 "logit_bias", "contains key(s) that cannot be converted to integer token IDs."
@@ -119,35 +165,69 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def check_num(name: str, value: object, kind: type) -> None:
             ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
             if not ok or isinstance(value, bool):
-                raise bad(name, f"must be a {kind.__name__}, got {value!r}.")
+                raise bad(name, f"must be a {kind.__name__}, got {show(value)}.")
+            in_range = not isinstance(value, int) or limits.INT64_MIN <= value <= limits.INT64_MAX
+            if kind is int and not in_range:
+                raise bad(name, f"must fit in a signed 64-bit integer, got {show(value)}.")
+
+        def check_bool(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be a bool, got {show(getattr(self, name))}.")
+
+        def check_size(name: str, values: list | dict, cap: int) -> None:
+            if len(values) > cap:
+                raise bad(name, f"may have at most {cap} entries, got {len(values)}.")
+
+        def check_text(name: str, text: object, what: str) -> None:
+            blank = not isinstance(text, str) or not (text.strip() if what == "word" else text)
+            if blank:
+                raise bad(name, f"must contain only non-empty strings, got {show(text)}.")
+            assert isinstance(text, str)
+            if len(text) > limits.MAX_TEXT_PARAM_CHARS:
+                raise bad(
+                    name,
+                    f"entries may have at most {limits.MAX_TEXT_PARAM_CHARS} characters, "
+                    f"got one of {len(text)}.",
+                )
+            if not is_valid_text(text):
+                raise bad(name, f"must be valid Unicode text (no lone surrogate): {show(text)}.")
+
+        def check_token_ids(name: str, ids: list, cap: int) -> None:
+            check_size(name, ids, cap)
+            for t in ids:
+                if type(t) is not int or not 0 <= t <= limits.INT64_MAX:
+                    raise bad(name, f"must contain non-negative integers, got {show(t)}.")
 
         check_num("n", self.n, int)
-        if self.n < 1:
-            raise bad("n", f"must be at least 1, got {self.n}.")
+        if not 1 <= self.n <= limits.MAX_N:
+            raise bad("n", f"must be in [1, {limits.MAX_N}], got {self.n}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             check_num(name, value, float)
             if not -2.0 <= value <= 2.0:
-                raise bad(name, f"must be in [-2, 2], got {value}.")
+                raise bad(name, f"must be in [-2, 2], got {show(value)}.")
         check_num("repetition_penalty", self.repetition_penalty, float)
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+            raise bad(
+                "repetition_penalty", f"must be in (0, 2], got {show(self.repetition_penalty)}."
+            )
         check_num("temperature", self.temperature, float)
-        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
-            raise bad("temperature", f"must be in [0, 100], got {self.temperature}.")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {show(self.temperature)}.")
         check_num("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+            raise bad("top_p", f"must be in (0, 1], got {show(self.top_p)}.")
         check_num("top_k", self.top_k, int)
         if self.top_k < 0:
             raise bad("top_k", f"must be -1 (disable), or at least 1, got {self.top_k}.")
         check_num("min_p", self.min_p, float)
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+            raise bad("min_p", f"must be in [0, 1], got {show(self.min_p)}.")
         if self.seed is not None:
-            check_num("seed", self.seed, int)
-            if not -(2**63) <= self.seed < 2**64:
-                raise bad("seed", f"must fit in 64 bits, got {self.seed}.")
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise bad("seed", f"must be an int, got {show(self.seed)}.")
+            if not limits.SEED_MIN <= self.seed <= limits.SEED_MAX:
+                raise bad("seed", f"must fit in 64 bits, got {show(self.seed)}.")
         if self.max_tokens is not None:
             check_num("max_tokens", self.max_tokens, int)
             if self.max_tokens < 1:
@@ -168,35 +248,41 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 if value < 0 and value != -1:
                     raise bad(name, f"must be >= 0 (or -1 for the whole vocab), got {value}.")
         assert isinstance(self.stop, list)
+        check_size("stop", self.stop, limits.MAX_STOP_STRINGS)
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise bad("stop", f"must contain only non-empty strings, got {s!r}.")
-        for t in self.stop_token_ids or []:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad("stop_token_ids", f"must contain non-negative integers, got {t!r}.")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", f"must be a bool, got {self.ignore_eos!r}.")
-        if not isinstance(self.detokenize, bool):
-            raise bad("detokenize", f"must be a bool, got {self.detokenize!r}.")
+            check_text("stop", s, "string")
+        check_token_ids("stop_token_ids", self.stop_token_ids or [], limits.MAX_STOP_TOKEN_IDS)
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            check_bool(name)
         if self.stop and not self.detokenize:
             raise bad("stop", "strings are only supported when detokenize is True.")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, list) or not ids:
                 raise bad("allowed_token_ids", "must be a non-empty list of token ids.")
-            if any(type(t) is not int or t < 0 for t in ids):
-                raise bad("allowed_token_ids", f"must contain non-negative integers, got {ids!r}.")
+            check_token_ids("allowed_token_ids", ids, limits.MAX_ALLOWED_TOKEN_IDS)
         if self.bad_words is not None:
-            if not isinstance(self.bad_words, list) or any(
-                not isinstance(w, str) or not w.strip() for w in self.bad_words
+            if not isinstance(self.bad_words, list):
+                raise bad("bad_words", f"must be a list of strings, got {show(self.bad_words)}.")
+            check_size("bad_words", self.bad_words, limits.MAX_BAD_WORDS)
+            for w in self.bad_words:
+                check_text("bad_words", w, "word")
+        lo, hi = limits.LOGIT_BIAS_MIN, limits.LOGIT_BIAS_MAX
+        for k, v in (self.logit_bias_ids or {}).items():
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not 0 <= k <= limits.INT64_MAX
             ):
-                raise bad("bad_words", f"must be a list of non-empty strings: {self.bad_words!r}")
-        if self.logit_bias_ids is not None:
-            for k, v in self.logit_bias_ids.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or k < 0:
-                    raise bad("logit_bias", "must map token ids (int >= 0) to biases (float).")
-                if not -100.0 <= v <= 100.0:
-                    raise bad("logit_bias", f"biases must be in [-100, 100], got {v}.")
+                raise bad("logit_bias", "must map token ids (int >= 0) to biases (float).")
+            if not lo <= v <= hi:
+                raise bad("logit_bias", f"biases must be in [{lo:g}, {hi:g}], got {show(v)}.")
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -252,6 +338,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         unknown = sorted(set(values) - set(cls.user_fields()))
         if unknown:
             raise _bad(unknown[0], "is not a sampling parameter.")
+        for name, value in values.items():
+            if holds_invalid_text(value):  # msgspec cannot even report such a value
+                raise _bad(name, "must be valid Unicode text (it holds a lone surrogate).")
         try:
             return msgspec.convert(dict(values), cls, strict=True)
         except msgspec.ValidationError as e:
@@ -273,13 +362,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Checks that need the model: every token id a parameter names is in the vocabulary."""
         bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
         if bad:
-            raise _bad("stop_token_ids", f"contains token id(s) {bad} out of vocabulary.")
+            raise _bad("stop_token_ids", f"contains token id(s) {show(bad)} out of vocabulary.")
         for key in self.logit_bias_ids or {}:
             if key >= vocab_size:
-                raise _bad("logit_bias", f"token id {key} is out of vocabulary.")
+                raise _bad("logit_bias", f"token id {show(key)} is out of vocabulary.")
         bad = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
         if bad:
-            raise _bad("allowed_token_ids", f"contains token id(s) {bad} out of vocabulary.")
+            raise _bad("allowed_token_ids", f"contains token id(s) {show(bad)} out of vocabulary.")
 
 
 def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:

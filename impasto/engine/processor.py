@@ -6,23 +6,27 @@ Invariants:
   before anything is enqueued; the server runs it in the API process, and the engine process
   takes the resulting `EngineRequest` as it is (it crosses the process boundary typed, once);
 - everything that can be wrong with a request is found here, never in the step loop:
-  prompt length and token ids, every sampling parameter against the model (vocabulary,
-  `max_logprobs`), and what the model kind cannot honour (a diffusion model refuses every
-  sampling parameter outside `DIFFUSION_SUPPORTED`, so a new parameter is refused there until
-  the canvas sampler learns it);
+  prompt length and token ids (ints, in the vocabulary), text that is not valid Unicode or too
+  long to fit in the context whatever it tokenizes to (refused before tokenizing it, so one
+  huge prompt cannot stall the caller), every sampling parameter against the model
+  (vocabulary, `max_logprobs`), the priority (64-bit), and what the model kind cannot honour
+  (a diffusion model refuses every sampling parameter outside `DIFFUSION_SUPPORTED`, so a new
+  parameter is refused there until the canvas sampler learns it);
 - the engine-filled fields of the params (EOS, the model's stop ids) are set here.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
 import msgspec
 
+from impasto import limits
 from impasto.config.model import ModelConfig
 from impasto.errors import InvalidParameterError
-from impasto.sampling_params import SamplingParams
+from impasto.sampling_params import SamplingParams, is_valid_text, show
 
 PromptType = str | list[int] | dict
 
@@ -62,6 +66,7 @@ class InputProcessor:
     def __init__(self, model: ModelConfig, tokenizer: Any | None) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self._max_token_chars: int | None = None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -70,7 +75,10 @@ class InputProcessor:
                     "multi_modal_data", "multi-modal inputs (images) are not supported: text only."
                 )
             if prompt.get("prompt_token_ids") is not None:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidParameterError("prompt", f"must be a string, got {show(text)}")
+                return text, _token_ids(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise InvalidParameterError(
                     "prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'."
@@ -81,12 +89,45 @@ class InputProcessor:
                 raise InvalidParameterError(
                     "prompt", "text prompts need a tokenizer (skip_tokenizer_init is set)."
                 )
+            self.check_text(prompt)
             return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
+        if isinstance(prompt, list):
+            return None, _token_ids(prompt)
         raise InvalidParameterError("prompt", f"unsupported prompt type {type(prompt).__name__}")
+
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """Refuse text before tokenizing it: lone surrogates (no tokenizer takes them), and
+        text too long to fit in the context whatever it tokenizes to (more characters than
+        `max_model_len` of the vocabulary's longest tokens hold), which would otherwise cost a
+        tokenization of up to the whole body before the length check refuses it."""
+        if not is_valid_text(text):
+            raise InvalidParameterError(
+                param, f"{param} must be valid Unicode text (it holds a lone surrogate)."
+            )
+        m = self.model
+        per_token = self.max_token_chars
+        if per_token and len(text) > m.max_model_len * per_token:
+            raise InvalidParameterError(
+                "input_tokens",
+                f"This model's maximum context length is {m.max_model_len} tokens. However, "
+                f"your request has {len(text)} characters of input, more than {m.max_model_len} "
+                f"tokens can hold (at most {per_token} characters each). Please reduce the "
+                "length of the input.",
+            )
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters the longest vocabulary entry stands for, at most (0: unknown). A vocabulary
+        entry is at least as long as the text it decodes to: byte-level BPE spells each byte as
+        one character, SentencePiece a space as one character and a byte as `<0xNN>`."""
+        if self._max_token_chars is None:
+            vocab = getattr(self.tokenizer, "get_vocab", None)
+            try:
+                entries = vocab() if vocab is not None else {}
+            except Exception:  # noqa: BLE001 - no vocabulary to bound with: no length pre-check
+                entries = {}
+            self._max_token_chars = max((len(str(t)) for t in entries), default=0)
+        return self._max_token_chars
 
     def process(
         self,
@@ -103,8 +144,10 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         self.check_prompt(ids)
         self.check_params(params, len(ids), max_tokens_fit)
-        if type(priority) is not int:
-            raise InvalidParameterError("priority", f"priority must be an integer: {priority!r}")
+        if type(priority) is not int or not limits.INT64_MIN <= priority <= limits.INT64_MAX:
+            raise InvalidParameterError(
+                "priority", f"priority must be a signed 64-bit integer, got {show(priority)}"
+            )
         m = self.model
         params.update_from_tokenizer(self.tokenizer, m.eos_token_id, set(m.extra_stop_token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -133,7 +176,7 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < m.vocab_size]
         if bad:
             raise InvalidParameterError(
-                "prompt", f"Token id {bad[0]} is out of vocabulary (size {m.vocab_size})."
+                "prompt", f"Token id {show(bad[0])} is out of vocabulary (size {m.vocab_size})."
             )
         if m.image_token_id is not None and m.image_token_id in ids:
             raise InvalidParameterError(
@@ -182,3 +225,20 @@ class InputProcessor:
                 raise InvalidParameterError(
                     name, f"{name} {why} (not supported by diffusion models)"
                 )
+
+
+def _token_ids(ids: object) -> list[int]:
+    """A prompt of token ids as a list of Python ints (numpy integers are taken; bools, floats
+    and strings are not). Their range is `check_prompt`'s."""
+    error = InvalidParameterError(
+        "prompt", f"prompt token ids must be a sequence of integers, got {show(ids)}"
+    )
+    if isinstance(ids, (str, bytes, dict)):
+        raise error
+    try:
+        items = list(ids)  # type: ignore[call-overload]
+        if any(isinstance(t, bool) or type(t).__name__ == "bool_" for t in items):
+            raise error
+        return [operator.index(t) for t in items]
+    except TypeError:
+        raise error from None

@@ -38,7 +38,44 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("logit_bias", {"logit_bias": {-4: 1.0}}),
     ("logit_bias", {"logit_bias": [1, 2]}),
     ("ignore_eos", {"ignore_eos": "yes"}),
+    # the caps of impasto.limits
+    ("n", {"n": 129}),
+    ("top_k", {"top_k": 2**63}),
+    ("min_tokens", {"min_tokens": 10**30}),
+    ("max_tokens", {"max_tokens": 2**63}),
+    ("logprobs", {"logprobs": -(2**63) - 1}),
+    ("stop", {"stop": [f"s{i}" for i in range(65)]}),
+    ("stop", {"stop": ["x" * 1025]}),
+    ("stop", {"stop": ["\ud800"]}),
+    ("stop_token_ids", {"stop_token_ids": list(range(1025))}),
+    ("stop_token_ids", {"stop_token_ids": [2**63]}),
+    ("allowed_token_ids", {"allowed_token_ids": list(range(16385))}),
+    ("bad_words", {"bad_words": [f"w{i}" for i in range(129)]}),
+    ("bad_words", {"bad_words": ["y" * 1025]}),
+    ("logit_bias", {"logit_bias": {i: 1.0 for i in range(1025)}}),
+    ("logit_bias", {"logit_bias": {"\u0663": 1.0}}),
+    ("logit_bias", {"logit_bias": {1: float("nan")}}),
+    ("skip_special_tokens", {"skip_special_tokens": 0}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": "no"}),
 ]
+
+
+def test_caps_are_inclusive() -> None:
+    """Each cap is the largest value accepted."""
+    from impasto import limits
+
+    SamplingParams(
+        n=limits.MAX_N,
+        stop=[f"s{i}" + "x" * 1000 for i in range(limits.MAX_STOP_STRINGS)],
+        stop_token_ids=list(range(limits.MAX_STOP_TOKEN_IDS)),
+        allowed_token_ids=list(range(limits.MAX_ALLOWED_TOKEN_IDS)),
+        bad_words=[f"w{i}" for i in range(limits.MAX_BAD_WORDS)],
+        logit_bias={i: 100.0 for i in range(limits.MAX_LOGIT_BIAS_ENTRIES)},
+        seed=2**64 - 1,
+        top_k=2**63 - 1,
+        max_tokens=2**63 - 1,
+    )
+    SamplingParams(stop=["z" * limits.MAX_TEXT_PARAM_CHARS], seed=-(2**63))
 
 
 @pytest.mark.parametrize(("param", "kwargs"), BAD)

@@ -206,6 +206,7 @@ def build_app(
         if req.messages is not None:
             ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
+            state.check_text(req.prompt)
             ids = state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         else:
             raise APIError("either prompt or messages is required.", 400, "prompt")

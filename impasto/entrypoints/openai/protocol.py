@@ -4,6 +4,12 @@ Request fields are typed (a wrong type is a 400 before any handler runs); unknow
 accepted and ignored, as OpenAI clients send provider-specific extras. vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 ...) are top-level fields, as `extra_body` puts them.
+
+Invariants of request bodies, checked here so that the error names the field: no declared
+field holds a lone surrogate (JSON's "\\ud800" escape decodes to one; no tokenizer or UTF-8
+encoder takes it), chat roles are OpenAI's, and `chat_template_kwargs` cannot override what the
+server passes to the template (`impasto.limits`). Sampling extras are checked by
+`SamplingParams` itself.
 """
 
 from __future__ import annotations
@@ -11,11 +17,21 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from impasto import limits
+from impasto.sampling_params import holds_invalid_text
 
 
 class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if holds_invalid_text(value):  # nested request models check their own fields
+            raise ValueError("must be valid Unicode text (it holds a lone surrogate)")
+        return value
 
 
 class ErrorInfo(BaseModel):
@@ -62,7 +78,8 @@ class SamplingFields(OpenAIBase):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Token ids are JSON integers: no "6" or 6.0 (pydantic's lax mode would take them).
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -71,8 +88,12 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
+# OpenAI's roles (`limits.CHAT_ROLES`), as an enum of the schema.
+ChatRole = Literal[tuple(sorted(limits.CHAT_ROLES))]  # type: ignore[valid-type]
+
+
 class ChatMessage(OpenAIBase):
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -87,6 +108,14 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(kwargs or ()) & limits.RESERVED_CHAT_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"may not set {reserved} (reserved by the server)")
+        return kwargs
+
 
 class TokenizeRequest(OpenAIBase):
     model: str | None = None
@@ -98,7 +127,7 @@ class TokenizeRequest(OpenAIBase):
 
 class DetokenizeRequest(OpenAIBase):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class UsageInfo(BaseModel):

@@ -3,7 +3,8 @@ logprob formatting, stream plumbing and client-disconnect handling.
 
 Invariant: everything a request can get wrong is found by the engine's one admission path
 (`InputProcessor`, run here in the API process) before the engine process sees it, and raised
-as `InvalidParameterError`, which the app maps to a 400 with its `param` in one place.
+as `InvalidParameterError`, which the app maps to a 400 with its `param` in one place. The caps
+are `impasto.limits`; error messages echo at most `limits.MAX_ECHO_CHARS` of a request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
+from impasto import limits
 from impasto.engine import ipc
 from impasto.engine.engine_client import AsyncEngineClient
 from impasto.engine.processor import EngineRequest, InputProcessor
@@ -23,7 +25,7 @@ from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from impasto.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from impasto.errors import InvalidParameterError
-from impasto.sampling_params import SamplingParams
+from impasto.sampling_params import SamplingParams, show
 
 # Request fields an endpoint maps itself (different names or meaning per endpoint).
 _ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "detokenize"})
@@ -36,7 +38,7 @@ class ServerState:
     tokenizer: Any
     served_model_names: list[str]
     metrics: ServerMetrics
-    max_n: int = 128
+    max_n: int = limits.MAX_N
     request_timeout_s: float | None = None  # generation requests are aborted past it (504)
     processor: InputProcessor = field(init=False)
 
@@ -50,15 +52,26 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+            raise APIError(f"The model {show(model)} does not exist.", 404, "model")
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise InvalidParameterError("n", f"n must be at most {self.max_n}, got {show(n)}.")
+
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """The admission path's check of a text before it is tokenized here, as an APIError
+        (also raised outside the generation endpoints' error mapping, e.g. by /tokenize)."""
+        try:
+            self.processor.check_text(text, param)
+        except InvalidParameterError as e:
+            raise APIError(e.message, 400, e.param) from None
 
     def sampling_params(
         self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """The request's SamplingParams: every sampling field it sets (declared or passed as an
         extra, as `extra_body` does) goes through, type-checked by SamplingParams itself."""
-        if req.n > self.max_n:
-            raise InvalidParameterError("n", f"n must be at most {self.max_n}, got {req.n}.")
+        self.check_n(req.n)
         values: dict[str, Any] = {}
         given = {**dict(req), **(req.model_extra or {})}
         for name in SamplingParams.user_fields():

@@ -34,6 +34,7 @@ from impasto.entrypoints.openai.serving import (
     new_id,
     usage_of,
 )
+from impasto.errors import InvalidParameterError
 from impasto.loader.tokenizer import apply_chat_template
 
 
@@ -69,6 +70,7 @@ def chat_prompt_ids(
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
         # The template's own message (e.g. "roles must alternate"), never the exception type.
         raise APIError(f"chat template error: {e}", 400, "messages") from e
+    state.check_text(text, "messages")
     # The template already carries the special tokens.
     return state.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -116,9 +118,14 @@ async def create_chat_completion(
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true.", 400, "top_logprobs")
     logprobs = top_n if req.logprobs else None
-    params = state.sampling_params(req, max_tokens, logprobs)
     base_id = new_id("chatcmpl")
-    request = state.admit(base_id, ids, params, req.priority)
+    try:
+        params = state.sampling_params(req, max_tokens, logprobs)
+        request = state.admit(base_id, ids, params, req.priority)
+    except InvalidParameterError as e:
+        if e.param != "logprobs":
+            raise
+        raise InvalidParameterError("top_logprobs", e.message) from None  # chat's name for it
     timer = RequestTimer(state.metrics, len(ids))
     run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])
     events = None

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from impasto import limits
 from impasto.engine import ipc
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer
@@ -42,11 +43,26 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
         items = list(p)
     if not items:
         raise APIError("The prompt is empty: at least one token is needed.", 400, "prompt")
+    if len(items) > limits.MAX_PROMPTS_PER_REQUEST:
+        raise APIError(
+            f"prompt may hold at most {limits.MAX_PROMPTS_PER_REQUEST} prompts, got {len(items)}.",
+            400,
+            "prompt",
+        )
+    state.check_n(req.n)
+    if len(items) * req.n > limits.MAX_CHOICES_PER_REQUEST:
+        raise APIError(
+            f"n x the number of prompts may be at most {limits.MAX_CHOICES_PER_REQUEST}, "
+            f"got {req.n} x {len(items)}.",
+            400,
+            "n",
+        )
     out = []
     for item in items:
         if isinstance(item, str):
             if state.tokenizer is None:
                 raise APIError("text prompts need a tokenizer.", 400, "prompt")
+            state.check_text(item)
             ids = state.tokenizer(item, add_special_tokens=req.add_special_tokens).input_ids
             out.append((item, ids))
         else:
