@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic).
 
 Request fields are typed (a wrong type is a 400 before any handler runs); unknown fields are
-accepted and ignored, as OpenAI clients send provider-specific extras. vLLM's extra sampling
+accepted, as OpenAI clients send provider-specific extras, except the vLLM fields impasto does
+not implement, which are refused by name (`unsupported.py`). vLLM's extra sampling
 fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 ...) are top-level fields, as `extra_body` puts them.
 
@@ -75,6 +76,8 @@ class SamplingFields(OpenAIBase):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    # vLLM's: keep only the last k prompt tokens (-1: the last max_model_len - 1).
+    truncate_prompt_tokens: int | None = None
 
 
 class CompletionRequest(SamplingFields):

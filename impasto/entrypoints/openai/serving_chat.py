@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from impasto.engine import ipc
+from impasto.entrypoints.openai import unsupported
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer
 from impasto.entrypoints.openai.protocol import (
@@ -34,6 +35,7 @@ from impasto.entrypoints.openai.serving import (
     new_id,
     usage_of,
 )
+from impasto.entrypoints.openai.unsupported import reject_unsupported
 from impasto.errors import InvalidParameterError
 from impasto.loader.tokenizer import apply_chat_template
 
@@ -103,6 +105,10 @@ async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, raw: Request
 ) -> Response:
     state.check_model(req.model)
+    reject_unsupported(req.model_extra, unsupported.CHAT)
+    for i, message in enumerate(req.messages):
+        reject_unsupported(message.model_extra, unsupported.MESSAGE, f"messages[{i}].")
+    state.check_stream_options(req)
     ids = chat_prompt_ids(
         state,
         req.messages,
@@ -121,6 +127,7 @@ async def create_chat_completion(
     base_id = new_id("chatcmpl")
     try:
         params = state.sampling_params(req, max_tokens, logprobs)
+        ids = state.truncate_prompt(ids, req.truncate_prompt_tokens)
         request = state.admit(base_id, ids, params, req.priority)
     except InvalidParameterError as e:
         if e.param != "logprobs":

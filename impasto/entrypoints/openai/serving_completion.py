@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from impasto import limits
 from impasto.engine import ipc
+from impasto.entrypoints.openai import unsupported
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer
 from impasto.entrypoints.openai.protocol import (
@@ -31,6 +32,7 @@ from impasto.entrypoints.openai.serving import (
     new_id,
     usage_of,
 )
+from impasto.entrypoints.openai.unsupported import reject_unsupported
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -89,6 +91,8 @@ def _logprobs(
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
+    reject_unsupported(req.model_extra, unsupported.SAMPLING)
+    state.check_stream_options(req)
     if req.suffix:
         raise APIError("suffix is not supported.", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -97,6 +101,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     runs, texts = [], []
     for i, (text, ids) in enumerate(_prompts(state, req)):
         params = state.sampling_params(req, req.max_tokens, req.logprobs)
+        ids = state.truncate_prompt(ids, req.truncate_prompt_tokens)
         request = state.admit(f"{base_id}-{i}", ids, params, req.priority)
         timer = RequestTimer(state.metrics, len(ids))
         run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])

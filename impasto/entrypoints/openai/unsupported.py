@@ -1,0 +1,92 @@
+"""vLLM request fields impasto does not implement: refused by name, never silently ignored.
+
+Request bodies accept unknown fields (OpenAI clients send provider extras), so a field vLLM
+understands and impasto does not would otherwise be dropped without a word: a JSON schema that
+constrains nothing, a tool the model never sees. Every such field is listed here with the value
+that asks for nothing (null, false, an empty list, OpenAI's "text" / "none" / "auto" choices); a
+request that sets one to anything else gets a 400 naming it: "'X' is not supported". Clients
+that send the defaults explicitly keep working.
+
+Invariant: a field leaves this list in the commit that implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from impasto.entrypoints.openai.errors import APIError
+
+IsNoOp = Callable[[Any], bool]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _one_of(*allowed: Any) -> IsNoOp:
+    return lambda value: value is None or value in allowed
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, Mapping) and value.get("type") == "text")
+
+
+# Fields of both /v1/completions and /v1/chat/completions.
+SAMPLING: dict[str, IsNoOp] = {
+    "response_format": _text_format,
+    "structured_outputs": _unset,
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+    "guided_json_object": _off,
+    "guided_decoding_backend": _unset,
+    "guided_whitespace_pattern": _unset,
+    "structural_tag": _unset,
+    "use_beam_search": _off,
+    "length_penalty": _one_of(1, 1.0),
+    "prompt_logprobs": _unset,
+    "logits_processors": _empty,
+    "return_tokens_as_token_ids": _off,
+    "return_token_ids": _off,
+    "cache_salt": _unset,
+    "kv_transfer_params": _unset,
+    "vllm_xargs": _empty,
+    "mm_processor_kwargs": _empty,
+}
+CHAT: dict[str, IsNoOp] = {
+    **SAMPLING,
+    "tools": _empty,
+    # Without tools, "auto" and "none" both mean plain text.
+    "tool_choice": _one_of("none", "auto"),
+    "functions": _empty,
+    "function_call": _one_of("none", "auto"),
+    "chat_template": _unset,
+    "documents": _empty,
+    "reasoning_effort": _unset,
+}
+MESSAGE: dict[str, IsNoOp] = {
+    "tool_calls": _empty,
+    "tool_call_id": _unset,
+    "function_call": _unset,
+}
+
+
+def reject_unsupported(
+    fields: Mapping[str, Any] | None, table: Mapping[str, IsNoOp], where: str = ""
+) -> None:
+    """Raise a 400 for the first field of `fields` (a request's extras) that `table` lists
+    and that is set to something other than its no-op value."""
+    for name, value in (fields or {}).items():
+        is_noop = table.get(name)
+        if is_noop is not None and not is_noop(value):
+            raise APIError(f"'{name}' is not supported.", 400, f"{where}{name}")
