@@ -126,6 +126,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     detokenize: bool = True
     allowed_token_ids: list[int] | None = None  # sample only among these ids
     bad_words: list[str] | None = None  # words never generated (as any of their tokenizations)
+    # Keep only the last k prompt tokens (-1: as many as the context allows); applied at
+    # admission, before the length check.
+    truncate_prompt_tokens: int | None = None
     # Filled in by the engine from the tokenizer / generation config, not by users
     # (`ENGINE_FIELDS`).
     eos_token_id: int | None = None
@@ -191,6 +194,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 )
             if not is_valid_text(text):
                 raise bad(name, f"must be valid Unicode text (no lone surrogate): {show(text)}.")
+
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            check_num("truncate_prompt_tokens", k, int)
+            if k != -1 and k < 1:
+                raise bad("truncate_prompt_tokens", f"must be -1 or at least 1, got {show(k)}.")
 
         def check_token_ids(name: str, ids: list, cap: int) -> None:
             check_size(name, ids, cap)

@@ -35,6 +35,7 @@ PromptType = str | list[int] | dict
 DIFFUSION_SUPPORTED = frozenset(
     {
         "seed",
+        "truncate_prompt_tokens",
         "stop",
         "stop_token_ids",
         "ignore_eos",
@@ -142,6 +143,9 @@ class InputProcessor:
         """Admit one request. `max_tokens_fit`: refuse a `max_tokens` that does not fit in the
         context after the prompt (the OpenAI server's rule) instead of capping at it."""
         text, ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last `keep` tokens (-1: as many as leave room for one more)
+            ids = ids[-(self.model.max_model_len - 1 if keep == -1 else keep) :]
         self.check_prompt(ids)
         self.check_params(params, len(ids), max_tokens_fit)
         if type(priority) is not int or not limits.INT64_MIN <= priority <= limits.INT64_MAX:

@@ -76,8 +76,7 @@ class SamplingFields(OpenAIBase):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
-    # vLLM's: keep only the last k prompt tokens (-1: the last max_model_len - 1).
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's; see SamplingParams
 
 
 class CompletionRequest(SamplingFields):

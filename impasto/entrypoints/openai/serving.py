@@ -70,21 +70,6 @@ class ServerState:
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options needs stream=true.", 400, "stream_options")
 
-    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's `truncate_prompt_tokens`: the last `keep` tokens of the prompt (-1: as many
-        as leave room for one generated token). None: the prompt as it is."""
-        if keep is None:
-            return ids
-        if keep == -1:
-            keep = self.client.max_model_len - 1
-        if keep < 1:
-            raise APIError(
-                f"truncate_prompt_tokens must be -1 or at least 1, got {keep}.",
-                400,
-                "truncate_prompt_tokens",
-            )
-        return ids[-keep:]
-
     def sampling_params(
         self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:

@@ -127,13 +127,12 @@ async def create_chat_completion(
     base_id = new_id("chatcmpl")
     try:
         params = state.sampling_params(req, max_tokens, logprobs)
-        ids = state.truncate_prompt(ids, req.truncate_prompt_tokens)
         request = state.admit(base_id, ids, params, req.priority)
     except InvalidParameterError as e:
         if e.param != "logprobs":
             raise
         raise InvalidParameterError("top_logprobs", e.message) from None  # chat's name for it
-    timer = RequestTimer(state.metrics, len(ids))
+    timer = RequestTimer(state.metrics, len(request.prompt_token_ids))
     run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])
     events = None
     if req.stream:

@@ -101,9 +101,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     runs, texts = [], []
     for i, (text, ids) in enumerate(_prompts(state, req)):
         params = state.sampling_params(req, req.max_tokens, req.logprobs)
-        ids = state.truncate_prompt(ids, req.truncate_prompt_tokens)
         request = state.admit(f"{base_id}-{i}", ids, params, req.priority)
-        timer = RequestTimer(state.metrics, len(ids))
+        timer = RequestTimer(state.metrics, len(request.prompt_token_ids))
         run = PromptRun(request, timer, [Choice(j) for j in range(req.n)])
         runs.append(run)
         if req.echo and text is None and state.tokenizer is not None:
