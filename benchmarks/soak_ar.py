@@ -3,7 +3,8 @@ shared prefixes and a tight KV pool, through `LLMEngine` (add_request / step / a
 
     python benchmarks/soak_ar.py                       # 10,000 requests, draft-model drafts
     python benchmarks/soak_ar.py --speculator ngram    # n-gram drafts instead
-    python benchmarks/soak_ar.py --quick               # a smoke run (~300 requests)
+    python benchmarks/soak_ar.py --policy priority --padding --long-prefill-threshold 16
+    python benchmarks/soak_ar.py --quick               # a smoke run (100 requests)
 
 Model: a tiny random Llama (fp32) with a word-level tokenizer over the same vocabulary (so stop
 strings and bad words work), and for `--speculator draft` a smaller random Llama as the draft.
@@ -13,13 +14,15 @@ hit) and random `SamplingParams` (temperature, top_p, top_k, min_p, seed, n, sto
 token ids, bad words, logit bias, allowed tokens, max_tokens, min_tokens, logprobs, prompt
 logprobs, penalties). Between steps, requests are aborted at random: some mid-prefill, some
 mid-decode, some while queued or preempted; now and then the prefix cache is reset with the
-running requests preempted.
+running requests preempted. Options switch on the priority policy (random priorities: running
+requests preempted for higher-priority ones), uniform spec-decode padding and a long-prefill cap.
 
 Checked, and counted as anomalies:
 - every `--check-every` steps: the KV pool's integrity (`check_integrity`), the scheduler's
   bookkeeping (running / waiting / block tables / output processor agree), and on every step
   the scheduled batch (budget, drafts at most K, padding only as placeholders, no preempted
-  request scheduled, a resumed request carries exactly its committed tokens);
+  request scheduled, a resumed request carries exactly its committed tokens); every preemption
+  is followed by a resume unless the request is aborted while preempted;
 - every finished completion: a valid finish reason (stop / length), its length within
   max_tokens / max_model_len, logprobs and prompt logprobs of the right shape, tokens allowed by
   allowed_token_ids / bad_words; no output after an abort, no request lost;
@@ -27,8 +30,11 @@ Checked, and counted as anomalies:
   leaked), the runner and the output processor hold nothing;
 - RSS (after a gc) every `--rss-every` requests: drift from warm-up to end within
   `--max-drift` %;
-- losslessness: a sample of greedy, non-aborted requests (preempted ones first) run again,
-  each alone, on an engine without speculation: identical tokens.
+- losslessness: a sample of greedy, non-aborted requests (half of it preempted ones) run
+  again, each alone, on an engine without speculation: identical tokens.
+
+The soak keeps only live requests and a bounded sample of finished ones, so the RSS it
+measures is the engine's.
 
 Prints a summary table; the exit status is 0 only if every check held.
 """
@@ -181,6 +187,7 @@ class Report:
     checks: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
     aborts: Counter[str] = field(default_factory=Counter)
+    aborted_preempted: int = 0  # scheduler requests aborted while preempted: never resumed
     lossless_checked: int = 0
     lossless_preempted: int = 0
     mismatches: list[str] = field(default_factory=list)
@@ -205,6 +212,7 @@ class ArSoak:
                 prompt_lookup_min=1,
                 prompt_lookup_max=3,
             )
+        spec["uniform_spec_decode_padding"] = args.padding
         self.engine = LLMEngine(
             EngineArgs(
                 model=str(model),
@@ -217,6 +225,8 @@ class ArSoak:
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=True,
+                long_prefill_token_threshold=args.long_prefill_threshold,
+                scheduling_policy=args.policy,
                 speculative_config=spec,
                 num_threads=1,
                 disable_log_stats=True,
@@ -304,7 +314,8 @@ class ArSoak:
     # -- admission, aborts, outputs ------------------------------------------------------------
     def add(self) -> None:
         prompt, params = self.workload.prompt(), self.workload.params()
-        rid = self.engine.add_request(None, {"prompt_token_ids": prompt}, params)
+        priority = self.rng.randrange(3) if self.args.policy == "priority" else 0
+        rid = self.engine.add_request(None, {"prompt_token_ids": prompt}, params, priority=priority)
         children = self.engine.output_processor.child_ids(rid)
         self.live[rid] = Tracked(prompt, params, children)
         for i, child in enumerate(children):
@@ -337,6 +348,10 @@ class ArSoak:
             if self.rng.random() >= self.args.abort_prob * ABORT_WEIGHTS[phase]:
                 continue
             rid = self.rng.choice(rids)
+            for child in self.live[rid].children:
+                request = self.sched.requests.get(child)
+                if request is not None and request.status == RequestStatus.PREEMPTED:
+                    self.report.aborted_preempted += 1
             self.engine.abort_request(rid)
             self.end(rid).aborted = phase
             self.report.aborts[phase] += 1
@@ -462,8 +477,13 @@ class ArSoak:
     def end_checks(self) -> dict[str, int]:
         """After the last request: nothing held anywhere, every block free."""
         leaked, total, problems = end_problems(self.engine)
+        r = self.report
         for problem in problems:
-            self.report.anomaly(problem)
+            r.anomaly(problem)
+        if r.resumes + r.aborted_preempted != r.preemptions:  # every other one resumed
+            r.anomaly(
+                f"{r.preemptions} preemptions: {r.resumes} resumed, {r.aborted_preempted} aborted"
+            )
         return {"leaked": leaked, "total": total}
 
     # -- losslessness --------------------------------------------------------------------------
@@ -508,6 +528,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
     ap.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    ap.add_argument("--padding", action="store_true", help="uniform spec-decode padding")
+    ap.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    ap.add_argument("--long-prefill-threshold", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--in-flight", type=int, default=16, help="requests kept queued or running")
     ap.add_argument("--max-num-seqs", type=int, default=8)
@@ -523,10 +546,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-drift", type=float, default=5.0, help="allowed RSS drift, percent")
     ap.add_argument("--lossless-sample", type=int, default=200)
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 150 requests")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 100 requests")
     args = ap.parse_args(argv)
     if args.quick:
-        args.requests, args.warmup, args.rss_every = 150, 50, 25
+        args.requests, args.warmup, args.rss_every = 100, 40, 20
         args.lossless_sample = 6
         args.max_drift = max(args.max_drift, 25.0)  # too short for a steady state
     return args
@@ -557,14 +580,21 @@ def main(argv: list[str] | None = None) -> int:
     accepted = metrics["impasto:spec_decode_num_accepted_tokens"]
     aborts = ", ".join(f"{k} {v}" for k, v in sorted(r.aborts.items()))
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.finish_reasons.items()))
+    variant = f"{args.speculator}, K={args.k}, {args.policy}"
+    variant += ", uniform padding" * args.padding
+    if args.long_prefill_threshold:
+        variant += f", long prefills capped at {args.long_prefill_threshold}"
     print_table(
-        f"AR + speculative decoding soak ({args.speculator}, K={args.k})",
+        f"AR + speculative decoding soak ({variant})",
         [
             ("requests", f"{args.requests} ({sum(r.aborts.values())} aborted: {aborts})"),
             ("completions finished", reasons),
             ("engine steps", r.steps),
             ("state checks", r.checks),
-            ("preemptions / resumes", f"{r.preemptions} / {r.resumes}"),
+            (
+                "preemptions / resumes",
+                f"{r.preemptions} / {r.resumes} (+ {r.aborted_preempted} aborted while preempted)",
+            ),
             ("prefix-cache hit rate", f"{100 * hit:.1f} %"),
             ("drafts accepted", f"{int(accepted)} / {int(drafted)}"),
             ("anomalies", len(r.anomalies)),

@@ -10,11 +10,13 @@ so concurrent requests preempt each other (recompute) all the time. A steady str
 (`--in-flight` queued or running) with prompts of 1..50 tokens (every fifth one sharing a
 32-token prefix, so resumes and admissions hit the prefix cache), max_tokens from 1 to the end
 of the context, a few seeds, EOS ignored or not, stop token ids, min_tokens; now and then the
-prefix cache is reset with the running requests preempted.
+prefix cache is reset with the running requests preempted, and with `--abort-prob` requests are
+aborted at random (queued, preempted, mid-prefill or mid-canvas).
 
 A preemption/resume cycle: a request preempted (its KV dropped) and later resumed (recomputed);
 both are counted from the scheduler outputs the runner executes (a pass-through tap), and checked
-against the engine's preemption metric. Canvas-span anomalies, checked at every step:
+against the engine's preemption metric (every preemption is followed by a resume, unless the
+request is aborted while preempted). Canvas-span anomalies, checked at every step:
 - a scheduled canvas has exactly the length its request expects (the canvas length, or the tail
   clipped at max_model_len), equal to the tokens scheduled: never split, never padded with the
   AR spec-decode padding (-1), every token in the vocabulary;
@@ -61,6 +63,7 @@ from soak_common import (  # noqa: E402
 )
 
 from impasto.config import EngineArgs  # noqa: E402
+from impasto.core import RequestStatus  # noqa: E402
 from impasto.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from impasto.engine.engine import LLMEngine  # noqa: E402
 from impasto.outputs import RequestOutput  # noqa: E402
@@ -91,6 +94,8 @@ class Report:
     clipped_canvases: int = 0
     preemptions: int = 0
     resumes: int = 0
+    aborted: int = 0
+    aborted_preempted: int = 0  # aborted while preempted: a cycle that never resumes
     finish_reasons: Counter[str] = field(default_factory=Counter)
 
     def anomaly(self, message: str, canvas: bool = False) -> None:
@@ -123,6 +128,7 @@ class DiffusionSoak:
             model, num_gpu_blocks_override=64, max_num_seqs=1, enable_prefix_caching=False
         )
         self.solo_seconds = 0.0
+        self.solo_checked = 0
         self.tap = StepTap(self.engine.runner, self._observe, self._after)
 
     def make_engine(self, model: Path, **kwargs: Any) -> LLMEngine:
@@ -277,6 +283,8 @@ class DiffusionSoak:
                 rid = engine.add_request(None, {"prompt_token_ids": prompt}, params)
                 self.live[rid] = Tracked(prompt, params)
                 added += 1
+            if self.live and self.rng.random() < args.abort_prob:
+                self.abort(self.rng.choice(sorted(self.live)))
             if self.rng.random() < args.reset_prob:
                 engine.reset_prefix_cache(reset_running_requests=True)
             self.take(engine.step())
@@ -296,6 +304,15 @@ class DiffusionSoak:
         rss.sample(self.ended)
         return rss, wall
 
+    def abort(self, rid: str) -> None:
+        request = self.sched.requests.get(rid)
+        if request is not None and request.status == RequestStatus.PREEMPTED:
+            self.report.aborted_preempted += 1
+        self.engine.abort_request(rid)
+        self.live.pop(rid)
+        self.ended += 1
+        self.report.aborted += 1
+
     def compare_with_solo(self, rid: str, t: Tracked) -> None:
         """Run the request again, alone, on the solo engine: the same tokens expected."""
         t0 = time.perf_counter()
@@ -306,6 +323,7 @@ class DiffusionSoak:
             for delta in solo.step():
                 if delta.request_id == sid:
                     tokens += delta.outputs[0].token_ids
+        self.solo_checked += 1
         if tokens != t.tokens:
             self.report.mismatches.append(
                 f"{rid} (prompt of {len(t.prompt)}, {t.params}, {t.preemptions} "
@@ -325,6 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=128)
     ap.add_argument("--num-blocks", type=int, default=9, help="KV pool, null block included")
     ap.add_argument("--denoising-steps", type=int, default=3, help="max per canvas")
+    ap.add_argument("--abort-prob", type=float, default=0.0, help="abort one request, per step")
     ap.add_argument("--reset-prob", type=float, default=0.002, help="prefix-cache reset, per step")
     ap.add_argument("--rss-every", type=int, default=50, help="requests between RSS samples")
     ap.add_argument("--warmup", type=int, default=150, help="requests before the RSS reference")
@@ -352,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics = {m.name: m.value for m in soak.engine.get_metrics()}
     if int(metrics["impasto:num_preemptions"]) != r.preemptions:
         r.anomaly(f"{r.preemptions} preemptions seen, the metric says {metrics}")
-    if r.resumes != r.preemptions:  # nothing is aborted: every preempted request resumes
-        r.anomaly(f"{r.preemptions} preemptions but {r.resumes} resumes")
-    cycles = min(r.preemptions, r.resumes)
+    if r.resumes + r.aborted_preempted != r.preemptions:  # every other one resumed
+        r.anomaly(
+            f"{r.preemptions} preemptions, {r.resumes} resumes, {r.aborted_preempted} aborted"
+        )
+    cycles = r.resumes
     drift_ok = abs(rss.drift_pct) <= args.max_drift
     ok = (
         not r.anomalies
@@ -368,14 +389,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         "Diffusion preemption/resume soak (DiffusionGemma, recompute preemption)",
         [
-            ("requests", f"{args.requests} ({reasons})"),
+            ("requests", f"{args.requests} ({reasons}, aborted {r.aborted})"),
             ("engine steps", r.steps),
             ("preemption/resume cycles", f"{cycles} (minimum {args.min_cycles})"),
             ("  one-token resumes", r.one_token_resumes),
             ("canvas steps checked", f"{r.canvas_steps} ({r.clipped_canvases} clipped)"),
             ("canvas-span anomalies", len(r.canvas_anomalies)),
             ("other anomalies", len(r.anomalies)),
-            ("solo-run mismatches", f"{len(r.mismatches)} of {soak.ended}"),
+            ("solo-run mismatches", f"{len(r.mismatches)} of {soak.solo_checked}"),
             ("leaked blocks", f"{leaked} of {total}"),
             ("RSS warm-up -> end", f"{mib(rss.warm)} -> {mib(rss.end)} (max {mib(rss.max)})"),
             ("RSS drift", f"{rss.drift_pct:+.2f} % (max {rss.max_drift_pct:+.2f} %)"),
