@@ -1,0 +1,619 @@
+"""Soak: autoregressive decoding with speculation, random sampling parameters, random aborts,
+shared prefixes and a tight KV pool, through `LLMEngine` (add_request / step / abort_request).
+
+    python benchmarks/soak_ar.py                       # 10,000 requests, draft-model drafts
+    python benchmarks/soak_ar.py --speculator ngram    # n-gram drafts instead
+    python benchmarks/soak_ar.py --policy priority --padding --long-prefill-threshold 16
+    python benchmarks/soak_ar.py --quick               # a smoke run (100 requests)
+
+Model: a tiny random Llama (fp32) with a word-level tokenizer over the same vocabulary (so stop
+strings and bad words work), and for `--speculator draft` a smaller random Llama as the draft.
+A steady stream of requests (`--in-flight` kept queued or running) with random prompts (mostly
+a shared prefix + a random tail, so prefix caching hits; some repeated motifs, so n-gram drafts
+hit) and random `SamplingParams` (temperature, top_p, top_k, min_p, seed, n, stop strings, stop
+token ids, bad words, logit bias, allowed tokens, max_tokens, min_tokens, logprobs, prompt
+logprobs, penalties). Between steps, requests are aborted at random: some mid-prefill, some
+mid-decode, some while queued or preempted; now and then the prefix cache is reset with the
+running requests preempted. Options switch on the priority policy (random priorities: running
+requests preempted for higher-priority ones), uniform spec-decode padding and a long-prefill cap.
+
+Checked, and counted as anomalies:
+- every `--check-every` steps: the KV pool's integrity (`check_integrity`), the scheduler's
+  bookkeeping (running / waiting / block tables / output processor agree), and on every step
+  the scheduled batch (budget, drafts at most K, padding only as placeholders, no preempted
+  request scheduled, a resumed request carries exactly its committed tokens); every preemption
+  is followed by a resume unless the request is aborted while preempted;
+- every finished completion: a valid finish reason (stop / length), its length within
+  max_tokens / max_model_len, logprobs and prompt logprobs of the right shape, tokens allowed by
+  allowed_token_ids / bad_words; no output after an abort, no request lost;
+- at the end: no unfinished request, the prefix cache resets and every block is free (nothing
+  leaked), the runner and the output processor hold nothing;
+- RSS (after a gc) every `--rss-every` requests: drift from warm-up to end within
+  `--max-drift` %;
+- losslessness: a sample of greedy, non-aborted requests (half of it preempted ones) run
+  again, each alone, on an engine without speculation: identical tokens.
+
+The soak keeps only live requests and a bounded sample of finished ones, so the RSS it
+measures is the engine's.
+
+Prints a summary table; the exit status is 0 only if every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_common import (  # noqa: E402
+    RssSampler,
+    StepTap,
+    build_tiny_llama,
+    end_problems,
+    mib,
+    print_table,
+    state_problems,
+    tiny_vocab,
+)
+
+from impasto.config import EngineArgs  # noqa: E402
+from impasto.core import RequestStatus  # noqa: E402
+from impasto.core.outputs import SchedulerOutput  # noqa: E402
+from impasto.core.scheduler import PADDING_TOKEN_ID  # noqa: E402
+from impasto.engine.engine import LLMEngine  # noqa: E402
+from impasto.outputs import RequestOutput  # noqa: E402
+from impasto.sampling_params import SamplingParams  # noqa: E402
+
+VOCAB = 160
+EOS = 2
+FIRST_WORD = 3  # ids below are the specials
+# Relative abort rates per phase of the request (see `ArSoak.maybe_abort`).
+ABORT_WEIGHTS = {
+    "queued": 0.5,
+    "preempted": 1.0,
+    "mid-prefill": 4.0,
+    "mid-recompute": 4.0,
+    "mid-decode": 1.0,
+}
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+
+class Workload:
+    """Random prompts and sampling parameters, reproducible from one seed."""
+
+    def __init__(self, rng: random.Random, max_model_len: int) -> None:
+        self.rng = rng
+        self.max_model_len = max_model_len
+        self.words = tiny_vocab(VOCAB)
+        self.prefixes = [self._tokens(rng.randrange(8, 49)) for _ in range(6)]
+        self.motifs = [self._tokens(rng.randrange(2, 7)) for _ in range(6)]
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(FIRST_WORD, VOCAB) for _ in range(n)]
+
+    def prompt(self) -> list[int]:
+        rng = self.rng
+        kind = rng.random()
+        if kind < 0.55:  # a shared prefix (prefix-cache hits) and a random tail
+            prompt = rng.choice(self.prefixes) + self._tokens(rng.randrange(0, 25))
+        elif kind < 0.75:  # a repeated motif (n-gram drafts find matches)
+            motif = rng.choice(self.motifs)
+            prompt = motif * rng.randrange(2, 10) + self._tokens(rng.randrange(0, 4))
+        else:  # anything, up to long multi-chunk prefills
+            prompt = self._tokens(rng.randrange(1, 120))
+        return prompt[: self.max_model_len - 2]
+
+    def params(self) -> SamplingParams:
+        rng = self.rng
+        kw: dict[str, Any] = {}
+        if rng.random() < 0.4:
+            kw["temperature"] = 0.0
+        else:
+            kw["temperature"] = rng.choice([0.3, 0.7, 1.0, 1.3])
+            if rng.random() < 0.4:
+                kw["top_p"] = rng.choice([0.5, 0.8, 0.95])
+            if rng.random() < 0.4:
+                kw["top_k"] = rng.choice([1, 5, 20, -1])
+            if rng.random() < 0.3:
+                kw["min_p"] = rng.choice([0.05, 0.1, 0.3])
+        if rng.random() < 0.5:
+            kw["seed"] = rng.randrange(1 << 31)
+        if rng.random() < 0.12:
+            kw["n"] = rng.choice([2, 3])
+        max_tokens = rng.choice([1, 2, 5, 9, 16, 24, 32, 48, None])
+        kw["max_tokens"] = max_tokens
+        if rng.random() < 0.15:
+            kw["min_tokens"] = rng.randrange(0, (max_tokens or 8) + 1)
+        if rng.random() < 0.3:
+            kw["stop"] = [rng.choice(self.words[FIRST_WORD:]) for _ in range(rng.randrange(1, 3))]
+            kw["include_stop_str_in_output"] = rng.random() < 0.5
+        if rng.random() < 0.2:
+            kw["stop_token_ids"] = [rng.randrange(FIRST_WORD, VOCAB)]
+        if rng.random() < 0.3:
+            kw["ignore_eos"] = True
+        if rng.random() < 0.3:
+            kw["logprobs"] = rng.choice([0, 1, 5])
+        if rng.random() < 0.08:
+            kw["prompt_logprobs"] = rng.choice([0, 2])
+        if rng.random() < 0.25:
+            kw["presence_penalty"] = rng.choice([-0.5, 0.5, 1.5])
+        if rng.random() < 0.25:
+            kw["frequency_penalty"] = rng.choice([-0.5, 0.5, 1.0])
+        if rng.random() < 0.25:
+            kw["repetition_penalty"] = rng.choice([0.8, 1.2, 1.8])
+        if rng.random() < 0.1:
+            kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-5.0, 5.0])}
+        if rng.random() < 0.08:
+            kw["allowed_token_ids"] = rng.sample(range(FIRST_WORD, VOCAB), 20) + [EOS]
+        if rng.random() < 0.08:
+            kw["bad_words"] = [rng.choice(self.words[FIRST_WORD:])]
+        return SamplingParams(**kw)
+
+
+# -- bookkeeping -------------------------------------------------------------------------------
+
+
+@dataclass
+class Tracked:
+    """What the soak knows about one user request."""
+
+    prompt: list[int]
+    params: SamplingParams
+    children: list[str]  # scheduler ids, in completion order
+    output: RequestOutput | None = None
+    aborted: str | None = None  # the phase it was aborted in
+    preemptions: int = 0
+
+
+@dataclass
+class Report:
+    anomalies: list[str] = field(default_factory=list)
+    preemptions: int = 0
+    resumes: int = 0
+    steps: int = 0
+    checks: int = 0
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+    aborts: Counter[str] = field(default_factory=Counter)
+    aborted_preempted: int = 0  # scheduler requests aborted while preempted: never resumed
+    lossless_checked: int = 0
+    lossless_preempted: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    def anomaly(self, message: str) -> None:
+        if len(self.anomalies) < 1000:
+            self.anomalies.append(message)
+        else:
+            self.anomalies[-1] = f"... and more; last: {message}"
+
+
+class ArSoak:
+    def __init__(self, args: argparse.Namespace, model: Path, draft: Path | None) -> None:
+        self.args = args
+        spec: dict[str, Any]
+        if draft is not None:
+            spec = dict(method="draft_model", model=str(draft), num_speculative_tokens=args.k)
+        else:
+            spec = dict(
+                method="ngram",
+                num_speculative_tokens=args.k,
+                prompt_lookup_min=1,
+                prompt_lookup_max=3,
+            )
+        spec["uniform_spec_decode_padding"] = args.padding
+        self.engine = LLMEngine(
+            EngineArgs(
+                model=str(model),
+                dtype="float32",
+                device="cpu",
+                seed=args.seed,
+                block_size=args.block_size,
+                max_model_len=args.max_model_len,
+                num_gpu_blocks_override=args.num_blocks,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=True,
+                long_prefill_token_threshold=args.long_prefill_threshold,
+                scheduling_policy=args.policy,
+                speculative_config=spec,
+                num_threads=1,
+                disable_log_stats=True,
+            )
+        )
+        self.sched = self.engine.scheduler
+        self.k = args.k
+        self.rng = random.Random(args.seed)
+        self.workload = Workload(random.Random(args.seed + 1), args.max_model_len)
+        self.report = Report()
+        # Only live requests are kept (and a bounded sample of finished ones): what the soak
+        # itself holds stays flat, so the RSS it measures is the engine's.
+        self.live: dict[str, Tracked] = {}  # user request id -> request, until it ends
+        self.ended = 0
+        self.child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (request id, index)
+        # Reservoir samples of finished greedy requests (n=1), preempted or not, for the
+        # lossless check: (prompt, params, tokens, preemptions).
+        self.greedy_seen = [0, 0]
+        self.greedy_sample: list[list[tuple[list[int], SamplingParams, list[int], int]]] = [[], []]
+        self.sample_rng = random.Random(args.seed + 2)
+        self.tap = StepTap(self.engine.runner, self._observe)
+
+    # -- per step: the scheduled batch ---------------------------------------------------------
+    def _committed(self, child: str) -> list[int] | None:
+        rid, index = self.child_of[child]
+        tracked = self.live.get(rid)
+        if tracked is None:
+            return None
+        if tracked.output is None:
+            return list(tracked.prompt)
+        for c in tracked.output.outputs:
+            if c.index == index:
+                return tracked.prompt + c.token_ids
+        return list(tracked.prompt)
+
+    def _observe(self, so: SchedulerOutput) -> None:
+        r, cfg = self.report, self.sched.config
+        bad = r.anomaly
+        total = sum(so.num_scheduled_tokens.values())
+        if total != so.total_num_scheduled_tokens or total > cfg.max_num_batched_tokens:
+            bad(f"step {r.steps}: {total} tokens scheduled, budget {cfg.max_num_batched_tokens}")
+        for rid, n in so.num_scheduled_tokens.items():
+            spec = so.scheduled_spec_decode_tokens.get(rid, [])
+            if n <= 0 or len(spec) >= n or len(spec) > self.k:
+                bad(f"step {r.steps}: {rid} scheduled {n} tokens with {len(spec)} drafts")
+            if any(t != PADDING_TOKEN_ID and not 0 <= t < VOCAB for t in spec):
+                bad(f"step {r.steps}: {rid} drafts out of vocabulary: {spec}")
+        cached = so.scheduled_cached_reqs
+        pairs = zip(cached.req_ids, cached.resumed_from_preemption, strict=True)
+        resumed = {rid for rid, again in pairs if again}
+        for rid in so.preempted_req_ids:
+            r.preemptions += 1
+            # Preempted by this step's scheduling: not scheduled. Preempted before the step
+            # (a prefix-cache reset of the running requests): it may resume at once.
+            if rid in so.num_scheduled_tokens and rid not in resumed:
+                bad(f"step {r.steps}: preempted {rid} is scheduled")
+            parent = self.child_of.get(rid)
+            if parent and parent[0] in self.live:
+                self.live[parent[0]].preemptions += 1
+        for i, rid in enumerate(cached.req_ids):
+            if not cached.resumed_from_preemption[i]:
+                continue
+            r.resumes += 1
+            want = self._committed(rid)
+            got = cached.resumed_token_ids.get(rid)
+            # The output processor may hold back nothing here: a stop string finishes the
+            # request, so a resumed request's committed tokens are all in its outputs.
+            if want is not None and got != want:
+                bad(f"step {r.steps}: {rid} resumed with {got}, committed {want}")
+            n = so.num_scheduled_tokens[rid]
+            if got is not None and cached.num_computed_tokens[i] + n > len(got) + self.k:
+                bad(f"step {r.steps}: resumed {rid} scheduled past its tokens")
+        r.steps += 1
+
+    # -- every K steps: scheduler and pool bookkeeping -----------------------------------------
+    def check_state(self) -> None:
+        r = self.report
+        r.checks += 1
+        for problem in state_problems(self.engine):
+            r.anomaly(f"step {r.steps}: {problem}")
+        if set(self.engine.output_processor.parents) != set(self.live):
+            extra = set(self.engine.output_processor.parents) ^ set(self.live)
+            r.anomaly(f"step {r.steps}: output processor and soak disagree on {extra}")
+
+    # -- admission, aborts, outputs ------------------------------------------------------------
+    def add(self) -> None:
+        prompt, params = self.workload.prompt(), self.workload.params()
+        priority = self.rng.randrange(3) if self.args.policy == "priority" else 0
+        rid = self.engine.add_request(None, {"prompt_token_ids": prompt}, params, priority=priority)
+        children = self.engine.output_processor.child_ids(rid)
+        self.live[rid] = Tracked(prompt, params, children)
+        for i, child in enumerate(children):
+            self.child_of[child] = (rid, i)
+
+    def _phase(self, tracked: Tracked) -> str | None:
+        states = [self.sched.requests.get(c) for c in tracked.children]
+        states = [s for s in states if s is not None]
+        if not states:
+            return None
+        s = states[0]
+        if s.status == RequestStatus.PREEMPTED:
+            return "preempted"
+        if s.status == RequestStatus.WAITING:
+            return "queued"
+        if s.num_computed_tokens >= s.num_tokens - 1:  # only the last sampled token is new
+            return "mid-decode"
+        # A prompt (or, after a preemption, prompt + outputs) not all in the cache yet.
+        return "mid-prefill" if s.num_output_tokens == 0 else "mid-recompute"
+
+    def maybe_abort(self) -> None:
+        """Per phase present, abort one of its requests with probability `abort_prob` times
+        the phase's weight: prefills are short-lived, so they are aimed at harder."""
+        by_phase: dict[str, list[str]] = {}
+        for rid, t in self.live.items():
+            phase = self._phase(t)
+            if phase is not None:
+                by_phase.setdefault(phase, []).append(rid)
+        for phase, rids in sorted(by_phase.items()):
+            if self.rng.random() >= self.args.abort_prob * ABORT_WEIGHTS[phase]:
+                continue
+            rid = self.rng.choice(rids)
+            for child in self.live[rid].children:
+                request = self.sched.requests.get(child)
+                if request is not None and request.status == RequestStatus.PREEMPTED:
+                    self.report.aborted_preempted += 1
+            self.engine.abort_request(rid)
+            self.end(rid).aborted = phase
+            self.report.aborts[phase] += 1
+
+    def end(self, rid: str) -> Tracked:
+        """Forget a request that finished or was aborted."""
+        tracked = self.live.pop(rid)
+        for child in tracked.children:
+            del self.child_of[child]
+        self.ended += 1
+        return tracked
+
+    def take(self, outputs: list[RequestOutput]) -> int:
+        """Fold the step's deltas in; returns how many requests finished."""
+        finished = 0
+        for delta in outputs:
+            rid = delta.request_id
+            tracked = self.live.get(rid)
+            if tracked is None:
+                self.report.anomaly(f"output for request {rid}, aborted or unknown")
+                continue
+            if tracked.output is None:
+                tracked.output = RequestOutput.start(delta)
+            else:
+                tracked.output.add(delta)
+            if delta.finished:
+                self.end(rid)
+                self.check_finished(rid, tracked)
+                self.keep_for_lossless(tracked)
+                finished += 1
+        return finished
+
+    def keep_for_lossless(self, t: Tracked) -> None:
+        """Reservoir sampling (size `--lossless-sample`) of finished greedy n=1 requests, one
+        reservoir for preempted requests and one for the others."""
+        if not t.params.is_greedy or t.params.n != 1 or t.output is None:
+            return
+        which = int(t.preemptions > 0)
+        self.greedy_seen[which] += 1
+        reservoir, size = self.greedy_sample[which], self.args.lossless_sample
+        item = (t.prompt, t.params, list(t.output.outputs[0].token_ids), t.preemptions)
+        if len(reservoir) < size:
+            reservoir.append(item)
+        else:
+            j = self.sample_rng.randrange(self.greedy_seen[which])
+            if j < size:
+                reservoir[j] = item
+
+    def check_finished(self, rid: str, t: Tracked) -> None:
+        r, p, out = self.report, t.params, t.output
+        assert out is not None
+        bad = r.anomaly
+        if len(out.outputs) != p.n:
+            bad(f"{rid}: {len(out.outputs)} completions, n={p.n}")
+        if p.prompt_logprobs is not None:
+            plp = out.prompt_logprobs
+            if plp is None or len(plp) != len(t.prompt) or plp[0] is not None:
+                bad(f"{rid}: prompt logprobs of {len(plp or [])} positions, {len(t.prompt)}")
+        room = self.args.max_model_len - len(t.prompt)
+        for c in out.outputs:
+            reason = c.finish_reason
+            r.finish_reasons[str(reason)] += 1
+            n = len(c.token_ids)
+            if reason not in ("stop", "length"):
+                bad(f"{rid}/{c.index}: finish reason {reason!r}")
+                continue
+            cap = min(p.max_tokens or room, room)
+            if n > cap or (reason == "length" and n != cap):
+                bad(f"{rid}/{c.index}: {n} tokens, {reason}, cap {cap}")
+            if reason == "stop" and isinstance(c.stop_reason, int | type(None)):
+                if n < p.min_tokens:
+                    bad(f"{rid}/{c.index}: stopped by a token after {n} < min_tokens")
+                if c.stop_reason is None and (p.ignore_eos or not c.token_ids[-1:] == [EOS]):
+                    bad(f"{rid}/{c.index}: EOS stop without an EOS")
+            if any(not 0 <= tok < VOCAB for tok in c.token_ids):
+                bad(f"{rid}/{c.index}: token out of vocabulary")
+            if p.allowed_token_ids and set(c.token_ids) - set(p.allowed_token_ids):
+                bad(f"{rid}/{c.index}: tokens outside allowed_token_ids")
+            if p.bad_words_token_ids:
+                banned = {w[0] for w in p.bad_words_token_ids if len(w) == 1}
+                if banned & set(c.token_ids):
+                    bad(f"{rid}/{c.index}: a bad word was generated")
+            if p.logprobs is not None:
+                lps = c.logprobs or []
+                ok = len(lps) == n and all(
+                    tok in lp and len(lp) <= p.logprobs + 1
+                    for tok, lp in zip(c.token_ids, lps, strict=False)
+                )
+                if not ok:
+                    bad(f"{rid}/{c.index}: {len(lps)} logprob entries for {n} tokens")
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self) -> tuple[RssSampler, float]:
+        args, engine = self.args, self.engine
+        rss = RssSampler(warmup=args.warmup)
+        added = 0
+        next_sample = 0
+        t0 = time.perf_counter()
+        while added < args.requests or engine.has_unfinished_requests() or self.live:
+            while added < args.requests and len(self.live) < args.in_flight:
+                self.add()
+                added += 1
+            self.maybe_abort()
+            if self.rng.random() < args.reset_prob:
+                engine.reset_prefix_cache(reset_running_requests=True)
+            self.take(engine.step())
+            ended = self.ended
+            if self.report.steps % args.check_every == 0:
+                self.check_state()
+            if ended >= next_sample:
+                mem = rss.sample(ended)
+                next_sample += args.rss_every
+                if not args.quiet:
+                    print(f"  {ended} requests ended, {self.report.steps} steps, RSS {mib(mem)}")
+            if not engine.has_unfinished_requests() and self.live and added >= args.requests:
+                for rid in list(self.live):
+                    self.report.anomaly(f"request {rid} lost: no output, nothing unfinished")
+                    self.end(rid)
+        wall = time.perf_counter() - t0
+        rss.sample(self.ended)
+        return rss, wall
+
+    def end_checks(self) -> dict[str, int]:
+        """After the last request: nothing held anywhere, every block free."""
+        leaked, total, problems = end_problems(self.engine)
+        r = self.report
+        for problem in problems:
+            r.anomaly(problem)
+        if r.resumes + r.aborted_preempted != r.preemptions:  # every other one resumed
+            r.anomaly(
+                f"{r.preemptions} preemptions: {r.resumes} resumed, {r.aborted_preempted} aborted"
+            )
+        return {"leaked": leaked, "total": total}
+
+    # -- losslessness --------------------------------------------------------------------------
+    def lossless(self, model: Path) -> None:
+        r, args = self.report, self.args
+        half = args.lossless_sample // 2
+        preempted, others = self.greedy_sample[1], self.greedy_sample[0]
+        sample = preempted[:half]
+        sample += others[: args.lossless_sample - len(sample)]
+        solo = LLMEngine(
+            EngineArgs(
+                model=str(model),
+                dtype="float32",
+                device="cpu",
+                seed=args.seed,
+                block_size=args.block_size,
+                max_model_len=args.max_model_len,
+                num_gpu_blocks_override=256,  # a big pool: never preempted
+                max_num_seqs=1,
+                enable_prefix_caching=False,
+                num_threads=1,
+                disable_log_stats=True,
+            )
+        )
+        for prompt, params, got, preemptions in sample:
+            rid = solo.add_request(None, {"prompt_token_ids": prompt}, params.clone())
+            tokens: list[int] = []
+            while solo.has_unfinished_requests():
+                for delta in solo.step():
+                    if delta.request_id == rid:
+                        tokens += delta.outputs[0].token_ids
+            r.lossless_checked += 1
+            r.lossless_preempted += preemptions > 0
+            if got != tokens:
+                r.mismatches.append(
+                    f"prompt {prompt} params {params}: speculative {got} != solo {tokens}"
+                )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
+    ap.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    ap.add_argument("--padding", action="store_true", help="uniform spec-decode padding")
+    ap.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
+    ap.add_argument("--long-prefill-threshold", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-flight", type=int, default=16, help="requests kept queued or running")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=40)
+    ap.add_argument("--max-model-len", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--num-blocks", type=int, default=48, help="KV pool (tight: preemption)")
+    ap.add_argument("--abort-prob", type=float, default=0.015, help="per step and phase")
+    ap.add_argument("--reset-prob", type=float, default=0.002, help="prefix-cache reset, per step")
+    ap.add_argument("--check-every", type=int, default=1, help="steps between state checks")
+    ap.add_argument("--rss-every", type=int, default=250, help="requests between RSS samples")
+    ap.add_argument("--warmup", type=int, default=1000, help="requests before the RSS reference")
+    ap.add_argument("--max-drift", type=float, default=5.0, help="allowed RSS drift, percent")
+    ap.add_argument("--lossless-sample", type=int, default=200)
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 100 requests")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.warmup, args.rss_every = 100, 40, 20
+        args.lossless_sample = 6
+        args.max_drift = max(args.max_drift, 25.0)  # too short for a steady state
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_llama(Path(tmp, "target"), seed=args.seed)
+        draft = None
+        if args.speculator == "draft":
+            draft = build_tiny_llama(
+                Path(tmp, "draft"), seed=args.seed + 1, hidden_size=16, num_layers=1
+            )
+        soak = ArSoak(args, model, draft)
+        rss, wall = soak.run()
+        end = soak.end_checks()
+        t_lossless = time.perf_counter()
+        soak.lossless(model)
+        t_lossless = time.perf_counter() - t_lossless
+    r = soak.report
+    metrics = {m.name: m.value for m in soak.engine.get_metrics()}
+    drift_ok = abs(rss.drift_pct) <= args.max_drift
+    ok = not r.anomalies and not r.mismatches and end["leaked"] == 0 and drift_ok
+    hit = metrics["impasto:prefix_cache_hits"] / max(metrics["impasto:prefix_cache_queries"], 1)
+    drafted = metrics["impasto:spec_decode_num_draft_tokens"]
+    accepted = metrics["impasto:spec_decode_num_accepted_tokens"]
+    aborts = ", ".join(f"{k} {v}" for k, v in sorted(r.aborts.items()))
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.finish_reasons.items()))
+    variant = f"{args.speculator}, K={args.k}, {args.policy}"
+    variant += ", uniform padding" * args.padding
+    if args.long_prefill_threshold:
+        variant += f", long prefills capped at {args.long_prefill_threshold}"
+    print_table(
+        f"AR + speculative decoding soak ({variant})",
+        [
+            ("requests", f"{args.requests} ({sum(r.aborts.values())} aborted: {aborts})"),
+            ("completions finished", reasons),
+            ("engine steps", r.steps),
+            ("state checks", r.checks),
+            (
+                "preemptions / resumes",
+                f"{r.preemptions} / {r.resumes} (+ {r.aborted_preempted} aborted while preempted)",
+            ),
+            ("prefix-cache hit rate", f"{100 * hit:.1f} %"),
+            ("drafts accepted", f"{int(accepted)} / {int(drafted)}"),
+            ("anomalies", len(r.anomalies)),
+            (
+                "lossless mismatches",
+                f"{len(r.mismatches)} of {r.lossless_checked} greedy requests "
+                f"({r.lossless_preempted} preempted), {t_lossless:.0f} s",
+            ),
+            ("leaked blocks", f"{end['leaked']} of {end['total']}"),
+            ("RSS warm-up -> end", f"{mib(rss.warm)} -> {mib(rss.end)} (max {mib(rss.max)})"),
+            ("RSS drift", f"{rss.drift_pct:+.2f} % (max {rss.max_drift_pct:+.2f} %)"),
+            ("wall time", f"{wall:.0f} s"),
+            ("result", "PASS" if ok else "FAIL"),
+        ],
+    )
+    for message in r.anomalies[:20] + r.mismatches[:5]:
+        print("  !", message)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
