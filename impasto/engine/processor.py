@@ -143,7 +143,7 @@ class InputProcessor:
         """Admit one request. `max_tokens_fit`: refuse a `max_tokens` that does not fit in the
         context after the prompt (the OpenAI server's rule) instead of capping at it."""
         text, ids = self.tokenize(prompt)
-        keep = params.truncate_prompt_tokens
+        keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
         if keep is not None:  # the last `keep` tokens (-1: as many as leave room for one more)
             ids = ids[-(self.model.max_model_len - 1 if keep == -1 else keep) :]
         self.check_prompt(ids)
