@@ -55,7 +55,8 @@ class LLMEngine:
         self.vocab_size = self.config.model.vocab_size
         self.scheduler = Scheduler(self.config.scheduler)
         self.runner = parts.runner
-        self.processor = InputProcessor(self.config.model, self.tokenizer)
+        priority = self.config.scheduler.policy == "priority"
+        self.processor = InputProcessor(self.config.model, self.tokenizer, priority)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics()
         self.stats_logger = StatsLogger(self.config.observability, self.metrics)

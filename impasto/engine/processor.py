@@ -62,11 +62,15 @@ class EngineRequest(msgspec.Struct, kw_only=True):
 
 class InputProcessor:
     """Tokenizes and validates requests against one model. `tokenizer` may be None
-    (`skip_tokenizer_init`): token-id prompts only."""
+    (`skip_tokenizer_init`): token-id prompts only. A non-zero `priority` is refused unless the
+    scheduler orders by it (`priority_scheduling`), as in vLLM: never silently ignored."""
 
-    def __init__(self, model: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, model: ModelConfig, tokenizer: Any | None, priority_scheduling: bool = False
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.priority_scheduling = priority_scheduling
         self._max_token_chars: int | None = None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -151,6 +155,12 @@ class InputProcessor:
         if type(priority) is not int or not limits.INT64_MIN <= priority <= limits.INT64_MAX:
             raise InvalidParameterError(
                 "priority", f"priority must be a signed 64-bit integer, got {show(priority)}"
+            )
+        if priority != 0 and not self.priority_scheduling:
+            raise InvalidParameterError(
+                "priority",
+                f"Got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority', --scheduling-policy priority).",
             )
         m = self.model
         params.update_from_tokenizer(self.tokenizer, m.eos_token_id, set(m.extra_stop_token_ids))

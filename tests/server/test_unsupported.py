@@ -115,3 +115,10 @@ def test_stream_options_need_stream(server):
     body = {"prompt": "Hi", "max_tokens": 1, "stream_options": {"include_usage": True}}
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_priority_under_fcfs_is_refused(server):
+    body = {"prompt": "Hi", "max_tokens": 1, "priority": 3}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert _post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200

@@ -105,7 +105,13 @@ async def serve(cfg: ServeConfig) -> int:
             tokenizer_task.cancel()
         raise
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
-    state = ServerState(client, tokenizer, names, ServerMetrics(names[0]))
+    state = ServerState(
+        client,
+        tokenizer,
+        names,
+        ServerMetrics(names[0]),
+        priority_scheduling=args.scheduling_policy == "priority",
+    )
     state.request_timeout_s = cfg.request_timeout
     app = build_app(state, cfg.api_keys, cfg.max_body_bytes, cfg.cors)
 

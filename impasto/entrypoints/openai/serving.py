@@ -40,11 +40,14 @@ class ServerState:
     metrics: ServerMetrics
     max_n: int = limits.MAX_N
     request_timeout_s: float | None = None  # generation requests are aborted past it (504)
+    priority_scheduling: bool = False  # the engine's policy is "priority"
     processor: InputProcessor = field(init=False)
 
     def __post_init__(self) -> None:
         assert self.client.model_config is not None, "the engine has not started"
-        self.processor = InputProcessor(self.client.model_config, self.tokenizer)
+        self.processor = InputProcessor(
+            self.client.model_config, self.tokenizer, self.priority_scheduling
+        )
 
     @property
     def model_name(self) -> str:
