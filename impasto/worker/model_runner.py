@@ -61,7 +61,9 @@ class ModelRunner:
         return {}
 
     # -- state diffs --------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _apply_removals(self, so: SchedulerOutput) -> None:
+        """Finished requests leave; preempted ones leave the batch (idempotent: a request
+        already gone is skipped, so a repair may apply a step's removals again)."""
         batch = self.batch
         for rid in so.finished_req_ids:
             batch.remove(rid)
@@ -70,6 +72,10 @@ class ModelRunner:
             state = batch.remove(rid)
             if state is not None:  # its KV is gone: it restarts from a prefill
                 state.on_preempted()
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        self._apply_removals(so)
         for new in so.scheduled_new_reqs:
             state = RequestState(new.req_id, list(new.prompt_token_ids), new.sampling_params, [])
             self.requests[new.req_id] = state
@@ -90,17 +96,10 @@ class ModelRunner:
     def discard_step(self, so: SchedulerOutput) -> None:
         """Repair after a step that raised (anywhere, even halfway through `_update_states`):
         the step's requests are failed by the scheduler, so their rows go now; the removals
-        the step carried are applied (idempotent: each id is removed at most once)."""
-        batch = self.batch
-        for rid in so.finished_req_ids:
-            batch.remove(rid)
-            self.requests.pop(rid, None)
-        for rid in so.preempted_req_ids:
-            state = batch.remove(rid)
-            if state is not None:
-                state.on_preempted()
+        the step carried are applied."""
+        self._apply_removals(so)
         for rid in so.num_scheduled_tokens:
-            batch.remove(rid)
+            self.batch.remove(rid)
             self.requests.pop(rid, None)
 
     # -- one step -----------------------------------------------------------------------------
