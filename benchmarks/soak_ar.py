@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from soak_ar_workload import EOS, VOCAB, Workload  # noqa: E402
 from soak_common import (  # noqa: E402
     RssSampler,
     StepTap,
@@ -64,7 +65,6 @@ from soak_common import (  # noqa: E402
     mib,
     print_table,
     state_problems,
-    tiny_vocab,
 )
 
 from impasto.config import EngineArgs  # noqa: E402
@@ -75,9 +75,6 @@ from impasto.engine.engine import LLMEngine  # noqa: E402
 from impasto.outputs import RequestOutput  # noqa: E402
 from impasto.sampling_params import SamplingParams  # noqa: E402
 
-VOCAB = 160
-EOS = 2
-FIRST_WORD = 3  # ids below are the specials
 # Relative abort rates per phase of the request (see `ArSoak.maybe_abort`).
 ABORT_WEIGHTS = {
     "queued": 0.5,
@@ -86,81 +83,6 @@ ABORT_WEIGHTS = {
     "mid-recompute": 4.0,
     "mid-decode": 1.0,
 }
-
-
-# -- the workload ------------------------------------------------------------------------------
-
-
-class Workload:
-    """Random prompts and sampling parameters, reproducible from one seed."""
-
-    def __init__(self, rng: random.Random, max_model_len: int) -> None:
-        self.rng = rng
-        self.max_model_len = max_model_len
-        self.words = tiny_vocab(VOCAB)
-        self.prefixes = [self._tokens(rng.randrange(8, 49)) for _ in range(6)]
-        self.motifs = [self._tokens(rng.randrange(2, 7)) for _ in range(6)]
-
-    def _tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(FIRST_WORD, VOCAB) for _ in range(n)]
-
-    def prompt(self) -> list[int]:
-        rng = self.rng
-        kind = rng.random()
-        if kind < 0.55:  # a shared prefix (prefix-cache hits) and a random tail
-            prompt = rng.choice(self.prefixes) + self._tokens(rng.randrange(0, 25))
-        elif kind < 0.75:  # a repeated motif (n-gram drafts find matches)
-            motif = rng.choice(self.motifs)
-            prompt = motif * rng.randrange(2, 10) + self._tokens(rng.randrange(0, 4))
-        else:  # anything, up to long multi-chunk prefills
-            prompt = self._tokens(rng.randrange(1, 120))
-        return prompt[: self.max_model_len - 2]
-
-    def params(self) -> SamplingParams:
-        rng = self.rng
-        kw: dict[str, Any] = {}
-        if rng.random() < 0.4:
-            kw["temperature"] = 0.0
-        else:
-            kw["temperature"] = rng.choice([0.3, 0.7, 1.0, 1.3])
-            if rng.random() < 0.4:
-                kw["top_p"] = rng.choice([0.5, 0.8, 0.95])
-            if rng.random() < 0.4:
-                kw["top_k"] = rng.choice([1, 5, 20, -1])
-            if rng.random() < 0.3:
-                kw["min_p"] = rng.choice([0.05, 0.1, 0.3])
-        if rng.random() < 0.5:
-            kw["seed"] = rng.randrange(1 << 31)
-        if rng.random() < 0.12:
-            kw["n"] = rng.choice([2, 3])
-        max_tokens = rng.choice([1, 2, 5, 9, 16, 24, 32, 48, None])
-        kw["max_tokens"] = max_tokens
-        if rng.random() < 0.15:
-            kw["min_tokens"] = rng.randrange(0, (max_tokens or 8) + 1)
-        if rng.random() < 0.3:
-            kw["stop"] = [rng.choice(self.words[FIRST_WORD:]) for _ in range(rng.randrange(1, 3))]
-            kw["include_stop_str_in_output"] = rng.random() < 0.5
-        if rng.random() < 0.2:
-            kw["stop_token_ids"] = [rng.randrange(FIRST_WORD, VOCAB)]
-        if rng.random() < 0.3:
-            kw["ignore_eos"] = True
-        if rng.random() < 0.3:
-            kw["logprobs"] = rng.choice([0, 1, 5])
-        if rng.random() < 0.08:
-            kw["prompt_logprobs"] = rng.choice([0, 2])
-        if rng.random() < 0.25:
-            kw["presence_penalty"] = rng.choice([-0.5, 0.5, 1.5])
-        if rng.random() < 0.25:
-            kw["frequency_penalty"] = rng.choice([-0.5, 0.5, 1.0])
-        if rng.random() < 0.25:
-            kw["repetition_penalty"] = rng.choice([0.8, 1.2, 1.8])
-        if rng.random() < 0.1:
-            kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-5.0, 5.0])}
-        if rng.random() < 0.08:
-            kw["allowed_token_ids"] = rng.sample(range(FIRST_WORD, VOCAB), 20) + [EOS]
-        if rng.random() < 0.08:
-            kw["bad_words"] = [rng.choice(self.words[FIRST_WORD:])]
-        return SamplingParams(**kw)
 
 
 # -- bookkeeping -------------------------------------------------------------------------------
@@ -199,6 +121,23 @@ class Report:
             self.anomalies[-1] = f"... and more; last: {message}"
 
 
+def make_engine(args: argparse.Namespace, model: Path, **kwargs: Any) -> LLMEngine:
+    """An fp32 CPU engine on one thread with the soak's seed and shapes, plus `kwargs`."""
+    return LLMEngine(
+        EngineArgs(
+            model=str(model),
+            dtype="float32",
+            device="cpu",
+            seed=args.seed,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            num_threads=1,
+            disable_log_stats=True,
+            **kwargs,
+        )
+    )
+
+
 class ArSoak:
     def __init__(self, args: argparse.Namespace, model: Path, draft: Path | None) -> None:
         self.args = args
@@ -213,24 +152,16 @@ class ArSoak:
                 prompt_lookup_max=3,
             )
         spec["uniform_spec_decode_padding"] = args.padding
-        self.engine = LLMEngine(
-            EngineArgs(
-                model=str(model),
-                dtype="float32",
-                device="cpu",
-                seed=args.seed,
-                block_size=args.block_size,
-                max_model_len=args.max_model_len,
-                num_gpu_blocks_override=args.num_blocks,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=True,
-                long_prefill_token_threshold=args.long_prefill_threshold,
-                scheduling_policy=args.policy,
-                speculative_config=spec,
-                num_threads=1,
-                disable_log_stats=True,
-            )
+        self.engine = make_engine(
+            args,
+            model,
+            num_gpu_blocks_override=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=True,
+            long_prefill_token_threshold=args.long_prefill_threshold,
+            scheduling_policy=args.policy,
+            speculative_config=spec,
         )
         self.sched = self.engine.scheduler
         self.k = args.k
@@ -493,20 +424,12 @@ class ArSoak:
         preempted, others = self.greedy_sample[1], self.greedy_sample[0]
         sample = preempted[:half]
         sample += others[: args.lossless_sample - len(sample)]
-        solo = LLMEngine(
-            EngineArgs(
-                model=str(model),
-                dtype="float32",
-                device="cpu",
-                seed=args.seed,
-                block_size=args.block_size,
-                max_model_len=args.max_model_len,
-                num_gpu_blocks_override=256,  # a big pool: never preempted
-                max_num_seqs=1,
-                enable_prefix_caching=False,
-                num_threads=1,
-                disable_log_stats=True,
-            )
+        solo = make_engine(
+            args,
+            model,
+            num_gpu_blocks_override=256,  # a big pool: never preempted
+            max_num_seqs=1,
+            enable_prefix_caching=False,
         )
         for prompt, params, got, preemptions in sample:
             rid = solo.add_request(None, {"prompt_token_ids": prompt}, params.clone())

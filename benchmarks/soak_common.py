@@ -108,62 +108,23 @@ def build_tiny_diffusion_gemma(
     hidden_size: int = 32,
     sliding_window: int = 16,
 ) -> Path:
-    """A random two-layer DiffusionGemma (one sliding, one full attention layer, MoE), fp32,
-    with sharp random weights and a contractive self-conditioning projection."""
-    from transformers.models.diffusion_gemma import (
-        DiffusionGemmaConfig,
-        DiffusionGemmaForBlockDiffusion,
-    )
+    """A random two-layer DiffusionGemma (one sliding, one full attention layer, MoE), fp32:
+    the diffusion tests' own builder (`tests/diffusion/checkpoints.py`: sharp random weights,
+    a contractive self-conditioning projection) at the soak's size."""
+    from tests.diffusion.checkpoints import build_checkpoint
 
-    text = dict(
+    return build_checkpoint(
+        path,
+        seed=seed,
+        canvas_length=canvas_length,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size,
         num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        sliding_window=sliding_window,
-        num_experts=4,
-        top_k_experts=2,
         moe_intermediate_size=16,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        sliding_window=sliding_window,
     )
-    # Every HF DiffusionGemma has a vision tower; a minimal one (impasto never loads it).
-    vision = dict(
-        model_type="gemma4_vision",
-        hidden_size=8,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=8,
-        position_embedding_size=4,
-    )
-    config = DiffusionGemmaConfig(
-        text_config=text, vision_config=vision, canvas_length=canvas_length
-    )
-    config.architectures = ["DiffusionGemmaForBlockDiffusion"]
-    torch.manual_seed(seed)
-    model = DiffusionGemmaForBlockDiffusion(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "vision" in name:
-                continue
-            if "norm" in name or name.endswith("scale"):
-                p.normal_(1.0, 0.1)
-            elif "self_conditioning" in name:
-                p.normal_(0.0, 0.02)  # contractive, as in a trained model
-            else:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
-    return path
 
 
 # -- observing steps ---------------------------------------------------------------------------
