@@ -73,7 +73,11 @@ class InputProcessor:
         self.priority_scheduling = priority_scheduling
         self._max_token_chars: int | None = None
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: PromptType, truncating: bool = False
+    ) -> tuple[str | None, list[int]]:
+        """(text, token ids). `truncating`: the request keeps only its last tokens
+        (`truncate_prompt_tokens`), so text too long for the context is not refused."""
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data"):
                 raise InvalidParameterError(
@@ -94,21 +98,24 @@ class InputProcessor:
                 raise InvalidParameterError(
                     "prompt", "text prompts need a tokenizer (skip_tokenizer_init is set)."
                 )
-            self.check_text(prompt)
+            self.check_text(prompt, truncating=truncating)
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, list):
             return None, _token_ids(prompt)
         raise InvalidParameterError("prompt", f"unsupported prompt type {type(prompt).__name__}")
 
-    def check_text(self, text: str, param: str = "prompt") -> None:
-        """Refuse text before tokenizing it: lone surrogates (no tokenizer takes them), and
-        text too long to fit in the context whatever it tokenizes to (more characters than
-        `max_model_len` of the vocabulary's longest tokens hold), which would otherwise cost a
-        tokenization of up to the whole body before the length check refuses it."""
+    def check_text(self, text: str, param: str = "prompt", truncating: bool = False) -> None:
+        """Refuse text before tokenizing it: lone surrogates (no tokenizer takes them), and,
+        unless the request truncates its prompt, text too long to fit in the context whatever
+        it tokenizes to (more characters than `max_model_len` of the vocabulary's longest
+        tokens hold), which would otherwise cost a tokenization of up to the whole body before
+        the length check refuses it."""
         if not is_valid_text(text):
             raise InvalidParameterError(
                 param, f"{param} must be valid Unicode text (it holds a lone surrogate)."
             )
+        if truncating:
+            return
         m = self.model
         per_token = self.max_token_chars
         if per_token and len(text) > m.max_model_len * per_token:
@@ -146,8 +153,8 @@ class InputProcessor:
     ) -> EngineRequest:
         """Admit one request. `max_tokens_fit`: refuse a `max_tokens` that does not fit in the
         context after the prompt (the OpenAI server's rule) instead of capping at it."""
-        text, ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+        text, ids = self.tokenize(prompt, truncating=keep is not None)
         if keep is not None:  # the last `keep` tokens (-1: as many as leave room for one more)
             ids = ids[-(self.model.max_model_len - 1 if keep == -1 else keep) :]
         self.check_prompt(ids)

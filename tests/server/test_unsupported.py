@@ -122,3 +122,19 @@ def test_priority_under_fcfs_is_refused(server):
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
     assert _post(server, "/v1/completions", {**body, "priority": 0}).status_code == 200
+
+
+def test_truncation_lifts_the_length_precheck(server):
+    """Text too long for the context is refused before tokenizing, unless the request truncates
+    its prompt: then it is tokenized and its tail kept."""
+    limit = _post(server, "/tokenize", {"prompt": "x"}).json()["max_model_len"]
+    text = "paint " * (limit * 40)
+    body = {"prompt": text, "max_tokens": 1}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens", r.text
+    r = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    assert _post(server, "/v1/chat/completions", chat).status_code == 400
+    r = _post(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text

@@ -61,11 +61,11 @@ class ServerState:
         if n > self.max_n:
             raise InvalidParameterError("n", f"n must be at most {self.max_n}, got {show(n)}.")
 
-    def check_text(self, text: str, param: str = "prompt") -> None:
+    def check_text(self, text: str, param: str = "prompt", truncating: bool = False) -> None:
         """The admission path's check of a text before it is tokenized here, as an APIError
         (also raised outside the generation endpoints' error mapping, e.g. by /tokenize)."""
         try:
-            self.processor.check_text(text, param)
+            self.processor.check_text(text, param, truncating)
         except InvalidParameterError as e:
             raise APIError(e.message, 400, e.param) from None
 

@@ -57,6 +57,7 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    truncating: bool = False,
 ) -> list[int]:
     if state.tokenizer is None:
         raise APIError("chat needs a tokenizer.", 400, "messages")
@@ -72,7 +73,7 @@ def chat_prompt_ids(
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
         # The template's own message (e.g. "roles must alternate"), never the exception type.
         raise APIError(f"chat template error: {e}", 400, "messages") from e
-    state.check_text(text, "messages")
+    state.check_text(text, "messages", truncating)
     # The template already carries the special tokens.
     return state.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -115,6 +116,7 @@ async def create_chat_completion(
         req.add_generation_prompt,
         req.continue_final_message,
         req.chat_template_kwargs,
+        truncating=req.truncate_prompt_tokens is not None,
     )
     # max_completion_tokens is the current name, max_tokens the deprecated one.
     max_tokens = req.max_completion_tokens

@@ -64,7 +64,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
         if isinstance(item, str):
             if state.tokenizer is None:
                 raise APIError("text prompts need a tokenizer.", 400, "prompt")
-            state.check_text(item)
+            state.check_text(item, truncating=req.truncate_prompt_tokens is not None)
             ids = state.tokenizer(item, add_special_tokens=req.add_special_tokens).input_ids
             out.append((item, ids))
         else:
