@@ -91,8 +91,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 500)
     if isinstance(exc, InvalidParameterError):  # every admission check raises this
         return APIError(exc.message, 400, exc.param)
-    if isinstance(exc, (ValueError, TypeError, OverflowError)):
-        return APIError(str(exc), 400)
+    # Any other ValueError / TypeError is a bug, not the client's fault: a generic 500 below
+    # (its message could carry internals).
     if isinstance(exc, NotImplementedError):
         return APIError(str(exc), 501)
     return internal_error(exc)
