@@ -24,6 +24,7 @@ from impasto.worker.input_batch import InputBatch
 from impasto.worker.kv_cache import allocate_kv_caches
 from impasto.worker.request_state import Phase, RequestState
 from impasto.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
+from impasto.worker.sampling_ops import finite_rows
 from impasto.worker.spec_decode import Proposer, RejectionSampler, StepResult
 
 
@@ -188,7 +189,7 @@ class ModelRunner:
     ) -> dict[str, str]:
         """Requests with a non-finite logit in any of their rows, with the error; those rows
         are zeroed in place so the batch samples as usual (their tokens are discarded)."""
-        finite = torch.isfinite(logits).all(dim=-1)  # [rows]
+        finite = finite_rows(logits)
         if bool(finite.all()):
             return {}
         ok = finite.tolist()

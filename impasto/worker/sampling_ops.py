@@ -213,3 +213,11 @@ def topk_logprobs(
     num_top = min(num_top, logprobs.shape[-1])
     top_vals, top_ids = logprobs.topk(num_top, dim=-1)  # [N, K]
     return chosen.squeeze(1), ranks, top_ids, top_vals
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, V] -> [rows] bool: the rows holding no NaN / inf. Read through each row's sum (a
+    NaN or inf anywhere makes it non-finite; finite logits are far too small to overflow it):
+    one reduction, tens of times cheaper than `isfinite(logits).all(-1)`, which writes a
+    [rows, V] mask first."""
+    return torch.isfinite(logits.sum(dim=-1))

@@ -42,6 +42,7 @@ from impasto.worker.diffusion.sampler import (
 from impasto.worker.forward import model_forward
 from impasto.worker.model_runner import ModelRunner
 from impasto.worker.request_state import Phase, RequestState
+from impasto.worker.sampling_ops import finite_rows
 
 WORKSPACE_BYTES = 128 << 20  # [rows, vocab] float32 logits of one chunk of canvases
 
@@ -238,7 +239,7 @@ class DiffusionModelRunner(ModelRunner):
                 n, j = n + lens[j], j + 1
             h = hidden.index_select(0, rows[start : start + n])  # [n, H]
             logits = self.model.compute_logits(h, out=self._logits_buffer(n))  # [n, V] fp32
-            finite = torch.isfinite(logits).all(dim=-1)  # [n]
+            finite = finite_rows(logits)  # [n]
             if not bool(finite.all()):
                 row = 0
                 for s, v in zip(states[i:j], lens[i:j], strict=True):
