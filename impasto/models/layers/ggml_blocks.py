@@ -7,10 +7,13 @@ they cannot be built, and the reference they are tested against.
 
 Invariants:
 - `dequantize_rows` is bit-identical (float32) to `gguf.quants.dequantize` for every type in
-  `GGMLType`: same field layout, and the same float32 operations in the same order (GGML's own
-  C dequantizers are the model the `gguf` package follows). All integer unpacking is exact, so
-  only the few float multiplies/adds matter; each is a separate torch op (eager torch never
-  fuses `a * b + c` into an FMA, which would round once instead of twice).
+  `GGMLType`: same field layout, same float32 operations in the same order (the `gguf`
+  package follows GGML's C dequantizers). Integer unpacking is exact, and so is every float
+  product but one: an fp16 scale (11-bit significand) times 6- or 8-bit integer scales and
+  4- to 6-bit quants fits float32's 24 bits, except Q6_K's d * scale * q (up to 25 bits),
+  which rounds once however it is associated. Each value is therefore the correctly rounded
+  `d*sc*q - dmin*m` (or `d*q + m`): the final add/subtract is the only other rounding, so
+  another association, or an FMA, gives the same bits (what the C++ kernels may rely on).
 - Work is vectorised over every block of every row at once; nothing loops in Python over rows
   or blocks.
 - `dequantize_linear` never materialises the whole weight in floating point: it dequantizes
@@ -176,8 +179,8 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 # The unpackers below keep integer work in bytes (1 byte per element) and convert to float32
-# once; the float ops then run in place on that fresh tensor. The float32 ops and their order
-# are gguf's, so each value is rounded exactly as there.
+# once; the float ops then run in place on that fresh tensor (fewer passes over memory, no
+# extra allocations), in gguf's order.
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
@@ -215,8 +218,8 @@ def _k4_low_bits(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_k(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    # value = (d * scale) * q - (dmin * min): each product rounded to float32, then the
-    # difference, in that order (as gguf).
+    # value = (d * scale) * q - (dmin * min), gguf's order; the products are exact, so the
+    # subtraction is the one rounding.
     scales, mins = _k_scales_mins(b[:, 4:16])
     dl = (_f16(b, 0) * scales).unsqueeze(-1)  # [n, 8, 1]
     ml = (_f16(b, 2) * mins).unsqueeze(-1)
