@@ -168,30 +168,52 @@ def _f16(b: torch.Tensor, offset: int) -> torch.Tensor:
     return b[:, offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """qs `[..., n]` bytes -> `[..., 2, n]`: all the low nibbles, then all the high nibbles.
-    GGML stores element i in the low nibble of byte i and element i + n in its high nibble
-    (not interleaved), in every 4-bit format here."""
-    out = torch.empty((*qs.shape[:-1], 2, qs.shape[-1]), dtype=torch.uint8)
-    torch.bitwise_and(qs, 0x0F, out=out[..., 0, :])
-    torch.bitwise_right_shift(qs, 4, out=out[..., 1, :])
+# Integer unpacking works on 64-bit words, 8 bytes per element of each op: the per-byte
+# fields are at most 4 bits wide, so word-wide shifts and byte-replicated masks extract them
+# for 8 bytes at once without mixing bytes (bits shifted in from a neighbouring byte, or the
+# sign bits of an arithmetic shift, land where the mask clears them). This is several times
+# fewer and longer element loops than byte-wise ops on 16- or 32-byte rows.
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+_LOW_BITS_1 = 0x0101010101010101
+_LOW_BITS_2 = 0x0303030303030303
+
+
+def _words(b: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes `start:stop` of each block as int64 words `[n_blocks, (stop - start) / 8]`,
+    copied into a fresh (so 8-byte aligned) tensor in the host's (little-endian) order."""
+    out = torch.empty(b.shape[0], (stop - start) // 8, dtype=torch.int64)
+    out.view(torch.uint8).copy_(b[:, start:stop])
     return out
 
 
-# The unpackers below keep integer work in bytes (1 byte per element) and convert to float32
-# once; the float ops then run in place on that fresh tensor (fewer passes over memory, no
-# extra allocations), in gguf's order.
+def _nibbles(w: torch.Tensor) -> torch.Tensor:
+    """Words `[..., k]` (bytes `[..., 8k]`) -> words `[..., 2, k]` (bytes `[..., 2, 8k]`): all
+    the low nibbles, then all the high ones. GGML stores element i in the low nibble of byte i
+    and element i + n in its high nibble (halves, not interleaved) in every 4-bit field here."""
+    out = torch.empty((*w.shape[:-1], 2, w.shape[-1]), dtype=torch.int64)
+    torch.bitwise_and(w, _LOW_NIBBLES, out=out[..., 0, :])
+    torch.bitwise_right_shift(w, 4, out=out[..., 1, :]).bitwise_and_(_LOW_NIBBLES)
+    return out
+
+
+def _as_bytes(w: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Words back to their bytes as a uint8 tensor of `shape` (a view, no copy)."""
+    return w.view(torch.uint8).view(shape)
+
+
+# After unpacking, the quants are converted to float32 once and the float ops run in place
+# on that fresh tensor (fewer passes over memory, no extra allocations), in gguf's order.
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     # [d fp16][16 bytes: 32 nibbles]; value = d * (q - 8)
-    q = _nibbles(b[:, 2:18]).reshape(-1, 32).view(torch.int8).sub_(8)  # 0..15 -> -8..7
+    q = _as_bytes(_nibbles(_words(b, 2, 18)), -1, 32).view(torch.int8).sub_(8)  # -8..7
     return q.to(torch.float32).mul_(_f16(b, 0))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    # [d fp16][m fp16][16 bytes: 32 nibbles]; value = d * q + m (two roundings, as gguf)
-    q = _nibbles(b[:, 4:20]).reshape(-1, 32).to(torch.float32)
+    # [d fp16][m fp16][16 bytes: 32 nibbles]; value = d * q + m (the product is exact)
+    q = _as_bytes(_nibbles(_words(b, 4, 20)), -1, 32).to(torch.float32)
     return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
@@ -211,10 +233,11 @@ def _k_scales_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.to(torch.float32), mins.to(torch.float32)
 
 
-def _k4_low_bits(qs: torch.Tensor) -> torch.Tensor:
-    """Q4_K/Q5_K's 128 quant bytes -> the low 4 bits of the 256 elements as `[n, 8, 32]`:
-    each 32-byte group holds sub-block 2j in its low nibbles and 2j + 1 in its high ones."""
-    return _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)
+def _k4_low_nibbles(b: torch.Tensor, start: int) -> torch.Tensor:
+    """Q4_K/Q5_K's 128 quant bytes at `start` -> the low 4 bits of the 256 elements as words
+    `[n, 4, 2, 4]` (bytes `[n, 8, 32]`): each 32-byte group j holds sub-block 2j in its low
+    nibbles and sub-block 2j + 1 in its high ones."""
+    return _nibbles(_words(b, start, start + 128).view(-1, 4, 4))
 
 
 def _scaled_k(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -228,34 +251,37 @@ def _scaled_k(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     # [d fp16][dmin fp16][12 scale bytes][128 quant bytes]
-    return _scaled_k(b, _k4_low_bits(b[:, 16:144]))
+    return _scaled_k(b, _as_bytes(_k4_low_nibbles(b, 16), -1, 8, 32))
 
 
-# Bit j of a Q5_K qh byte l is the fifth bit of element l of sub-block j.
-_QH_SHIFTS_5K = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+# Bit j of Q5_K's qh byte l is the fifth bit of element l of sub-block j.
+_QH_SHIFTS_5K = torch.arange(8, dtype=torch.int64).view(1, 8, 1)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     # [d fp16][dmin fp16][12 scale bytes][32 qh bytes][128 quant bytes]
-    qh = (b[:, 16:48].unsqueeze(1) >> _QH_SHIFTS_5K) & 0x01  # [n, 8, 32]
-    return _scaled_k(b, _k4_low_bits(b[:, 48:176]).bitwise_or_(qh.bitwise_left_shift_(4)))
+    high = (_words(b, 16, 48).unsqueeze(1) >> _QH_SHIFTS_5K).bitwise_and_(_LOW_BITS_1)
+    low = _k4_low_nibbles(b, 48).view(-1, 8, 4)  # words of sub-block j, like high[:, j]
+    q = low.bitwise_or_(high.bitwise_left_shift_(4))
+    return _scaled_k(b, _as_bytes(q, -1, 8, 32))
 
 
 # Each Q6_K qh byte carries the top 2 bits of four elements, 32 apart.
-_QH_SHIFTS_6K = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+_QH_SHIFTS_6K = torch.tensor([0, 2, 4, 6], dtype=torch.int64).view(1, 1, 4, 1)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     # [128 ql bytes][64 qh bytes][16 int8 scales][d fp16]; two halves of 128 elements, half h
     # using ql bytes 64h..64h+63 (element r: low nibble for r < 64, high for r >= 64) and qh
     # bytes 32h..32h+31 (element r: bits 2*(r // 32)..+1 of byte r % 32).
-    low = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 2, 128)
-    high = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> _QH_SHIFTS_6K) & 0x03).reshape(-1, 2, 128)
-    q = low.bitwise_or_(high.bitwise_left_shift_(4)).view(torch.int8).sub_(32)  # -32..31
-    d = _f16(b, 208)
+    low = _nibbles(_words(b, 0, 128).view(-1, 2, 8)).view(-1, 2, 16)  # bytes [n, 2, 128]
+    high = _words(b, 128, 192).view(-1, 2, 1, 4) >> _QH_SHIFTS_6K  # bytes [n, 2, 4, 32]
+    high = high.bitwise_and_(_LOW_BITS_2).view(-1, 2, 16)
+    q = _as_bytes(low.bitwise_or_(high.bitwise_left_shift_(4)), -1, 16, 16)
+    q = q.view(torch.int8).sub_(32)  # 0..63 -> -32..31
     scales = b[:, 192:208].view(torch.int8).to(torch.float32)
-    dl = (d * scales).unsqueeze(-1)  # [n, 16, 1]: one scale per 16 elements
-    return q.reshape(-1, 16, 16).to(torch.float32).mul_(dl).reshape(-1, 256)
+    dl = (_f16(b, 208) * scales).unsqueeze(-1)  # [n, 16, 1]: one scale per 16 elements
+    return q.to(torch.float32).mul_(dl).reshape(-1, 256)
 
 
 _DEQUANTIZERS = {
