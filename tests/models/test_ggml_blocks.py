@@ -164,10 +164,19 @@ def test_non_finite_scales_give_non_finite_values_where_gguf_does(qtype):
     np.testing.assert_array_equal(dequantize_rows(torch.from_numpy(raw), qtype, cols).numpy(), want)
 
 
-def test_empty_and_malformed_inputs():
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_no_rows(qtype):
+    cols = 2 * BLOCK_SHAPE[qtype][0]
+    blocks = torch.empty(0, row_bytes(qtype, cols), dtype=torch.uint8)
+    empty = dequantize_rows(blocks, qtype, cols, torch.bfloat16)
+    assert empty.shape == (0, cols) and empty.dtype == torch.bfloat16
+    ids = torch.empty(0, dtype=torch.long)
+    assert dequantize_embedding(ids, blocks, qtype, cols, torch.float32).shape == (0, cols)
+    assert dequantize_linear(torch.ones(2, cols), blocks, qtype, cols).shape == (2, 0)
+
+
+def test_malformed_inputs():
     qtype, cols = GGMLType.Q4_K, 512
-    empty = dequantize_rows(torch.empty(0, 288, dtype=torch.uint8), qtype, cols)
-    assert empty.shape == (0, cols) and empty.dtype == torch.float32
     for bad in (
         torch.zeros(2, 287, dtype=torch.uint8),  # row_bytes does not match cols
         torch.zeros(2, 288, dtype=torch.int8),  # not uint8
