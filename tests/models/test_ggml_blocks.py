@@ -263,6 +263,10 @@ def test_linear_chunking(qtype, monkeypatch):
     seen.clear()
     dequantize_linear(x, raw, qtype, cols)  # default chunk: whole (small) weight in one
     assert seen == [rows]
+    seen.clear()
+    monkeypatch.setattr(ggml_blocks, "_CHUNK_ELEMENTS", 20 * cols)  # default: a budget
+    dequantize_linear(x, raw, qtype, cols)
+    assert seen == [20, 20, 10]
     with pytest.raises(ValueError):
         dequantize_linear(x, raw, qtype, cols, chunk_rows=0)
 

@@ -55,9 +55,11 @@ BLOCK_SHAPE: dict[GGMLType, tuple[int, int]] = {
 }
 
 # Rows dequantized per step of `dequantize_linear` when the caller does not choose: enough
-# float32 elements (4 Mi, 16 MiB) that the per-chunk Python overhead is negligible next to the
-# unpacking and the GEMM, few enough that the chunk and its unpacking temporaries stay small.
-_CHUNK_ELEMENTS = 1 << 22
+# float32 elements (1 Mi, 4 MiB) that the per-chunk Python overhead (~20 small ops) is
+# negligible next to the unpacking and the GEMM, few enough that the chunk and its unpacking
+# temporaries stay small. Chunks of 256 Ki to 4 Mi elements ran alike on a 4864-column
+# matrix; below 64 Ki the per-op overhead dominates.
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def is_packable(qtype: int) -> bool:
@@ -123,7 +125,7 @@ def dequantize_linear(
     once to x's dtype. Dequantizing to bf16 instead would round every weight a second time
     (after the quantization) and drift from the reference the kernels are checked against;
     this is the fallback path, so accuracy wins over bf16 GEMM speed. Memory beyond x and y
-    is one float32 chunk `[chunk_rows, cols]` (default: about 4 Mi elements) plus its
+    is one float32 chunk `[chunk_rows, cols]` (default: about 1 Mi elements) plus its
     unpacking temporaries, never the whole weight.
     """
     if x.dtype not in (torch.float32, torch.bfloat16):
