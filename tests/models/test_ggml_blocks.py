@@ -1,7 +1,7 @@
 """Pure-torch GGML block dequantization against the `gguf` package's numpy reference.
 
 `dequantize_rows` must be bit-identical to `gguf.quants.dequantize` (float32) for every
-packable type. gguf can quantize only Q4_0, Q4_1 and Q8_0 (its K-quant classes dequantize
+packable type. gguf can quantize only the 32-element types (its K-quant classes dequantize
 only), so K-quant blocks are random bytes with finite fp16 scales: every bit pattern of the
 quants and the packed 6-bit scales is a valid block, so random bytes cover the layouts better
 than any quantizer would.
@@ -28,13 +28,15 @@ from impasto.models.layers.ggml_blocks import (
 )
 
 TYPES = list(GGMLType)
-GGUF_QUANTIZABLE = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+GGUF_QUANTIZABLE = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0]
 
 # Byte offsets of the fp16 scales in each block (d, and dmin/m where the format has one),
 # written from the GGML block structs independently of the module under test.
 FP16_FIELDS = {
     GGMLType.Q4_0: (0,),
     GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0,),
+    GGMLType.Q5_1: (0, 2),
     GGMLType.Q8_0: (0,),
     GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2),
@@ -78,7 +80,7 @@ def test_type_table_is_ggmls():
         assert int(Q[t.name]) == int(t)
         assert BLOCK_SHAPE[t] == gguf.GGML_QUANT_SIZES[Q[t.name]]
     assert set(BLOCK_SHAPE) == set(GGMLType)
-    assert is_packable(12) and not is_packable(int(Q.Q5_0)) and not is_packable(int(Q.F16))
+    assert is_packable(12) and not is_packable(int(Q.Q2_K)) and not is_packable(int(Q.F16))
 
 
 def test_row_bytes():
@@ -92,7 +94,7 @@ def test_row_bytes():
         (GGMLType.Q6_K, 128),
         (GGMLType.Q8_0, 0),
         (GGMLType.Q5_K, -256),
-        (int(Q.Q5_0), 32),  # a GGML type that is not packable
+        (int(Q.Q2_K), 256),  # a GGML type that is not packable
     ]:
         with pytest.raises(ValueError):
             row_bytes(qtype, cols)

@@ -38,6 +38,8 @@ class GGMLType(IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -48,6 +50,8 @@ class GGMLType(IntEnum):
 BLOCK_SHAPE: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_0: (32, 18),
     GGMLType.Q4_1: (32, 20),
+    GGMLType.Q5_0: (32, 22),
+    GGMLType.Q5_1: (32, 24),
     GGMLType.Q8_0: (32, 34),
     GGMLType.Q4_K: (256, 144),
     GGMLType.Q5_K: (256, 176),
@@ -219,6 +223,30 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
+# Bit j of a Q5_0 / Q5_1 block's 32-bit qh word is the fifth bit of element j.
+_QH_SHIFTS_5 = torch.arange(32, dtype=torch.int32)
+
+
+def _q5_quants(b: torch.Tensor, qh: int) -> torch.Tensor:
+    """Q5_0 / Q5_1's quants (qh word at byte `qh`, 16 nibble bytes after it) as uint8 [n, 32]."""
+    low = _as_bytes(_nibbles(_words(b, qh + 4, qh + 20)), -1, 32)
+    bits = torch.empty(b.shape[0], 1, dtype=torch.int32)  # fresh, so 4-byte aligned
+    bits.view(torch.uint8).copy_(b[:, qh : qh + 4])  # little endian
+    high = ((bits >> _QH_SHIFTS_5) & 1).to(torch.uint8) << 4
+    return low | high
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    # [d fp16][qh: 4 bytes][16 bytes: 32 nibbles]; value = d * (q - 16)
+    q = _q5_quants(b, 2).view(torch.int8).sub_(16)  # -16..15
+    return q.to(torch.float32).mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    # [d fp16][m fp16][qh: 4 bytes][16 bytes: 32 nibbles]; value = d * q + m
+    return _q5_quants(b, 4).to(torch.float32).mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     # [d fp16][32 int8]; value = q * d
     return b[:, 2:34].view(torch.int8).to(torch.float32).mul_(_f16(b, 0))
@@ -289,6 +317,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 _DEQUANTIZERS = {
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
+    GGMLType.Q5_0: _q5_0,
+    GGMLType.Q5_1: _q5_1,
     GGMLType.Q8_0: _q8_0,
     GGMLType.Q4_K: _q4_k,
     GGMLType.Q5_K: _q5_k,
