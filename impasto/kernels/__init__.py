@@ -15,6 +15,13 @@ This package is a leaf: it builds and exposes the ops (`load()`, `ops()`, `enabl
 `wanted()`) and imports nothing else from impasto. Models opt in through the typed hooks of
 `impasto.models.layers.device_hooks`; `impasto.worker.device_prep` walks a model and calls them.
 
+`quant_ops.cpp`: matmuls and embedding lookups on packed GGML blocks (GGUF's Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with 8-bit activation blocks and integer dot products
+(VNNI where the CPU has it, AVX2 otherwise, a portable loop elsewhere; the integer sums are
+exact, so every instruction set gives the same bits, and a row's result does not depend on the
+other rows of its batch). They serve packed weights whatever the activation dtype;
+`IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests compare the two).
+
 Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
 reference path, which the token-exact tests against transformers use; the kernels compute in
 float32 and round once, so they are accurate but not bit-identical to eager bf16.
@@ -45,8 +52,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "diffusion_ops.cpp")  # one library, one op namespace
-HEADERS = (_DIR / "vec_math.h",)
+# one library, one op namespace
+SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "diffusion_ops.cpp", _DIR / "quant_ops.cpp")
+HEADERS = (_DIR / "vec_math.h", _DIR / "quant_ops.h")
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change
 _TRIED = False
@@ -67,10 +75,22 @@ def _cpu_features() -> bytes:
     return (flags or platform.machine()).encode()
 
 
+def isa_flags() -> list[str]:
+    """Compiler flags that narrow -march=native: `IMPASTO_CPU_ISA=avx2` builds the AVX2 code
+    paths on a CPU that has AVX-512 / VNNI (tests check both give the same results)."""
+    isa = os.environ.get("IMPASTO_CPU_ISA", "native")
+    if isa == "native":
+        return []
+    if isa == "avx2":
+        return ["-mno-avx512f", "-mno-avxvnni"]  # no AVX-512 subset without avx512f
+    raise ValueError(f"IMPASTO_CPU_ISA must be 'native' or 'avx2', not {isa!r}")
+
+
 def _build_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     sources = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = sources + _FLAGS_VERSION + torch.__version__.encode() + _cpu_features()
+    flags = " ".join(isa_flags()).encode()
+    key = sources + _FLAGS_VERSION + flags + torch.__version__.encode() + _cpu_features()
     digest = hashlib.sha256(key).hexdigest()[:16]
     path = base / "impasto" / "kernels" / digest
     path.mkdir(parents=True, exist_ok=True)
@@ -117,6 +137,7 @@ def load() -> Any:
                 "-fno-trapping-math",
                 "-fno-math-errno",
                 "-fopenmp",
+                *isa_flags(),
             ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

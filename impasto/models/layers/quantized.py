@@ -1,0 +1,135 @@
+"""Packed GGML weights: linear layers, embeddings and LM heads that keep GGUF's block format.
+
+A GGUF file's quantized matrices stay as they are in the file (each row of a [O, I] matrix is
+I / block_elems GGML blocks); nothing builds a full-precision copy. Decode on a CPU is bound by
+the bytes of weights it reads, so this is 3-4x fewer bytes per token than dequantized bf16.
+
+- `QuantizedTensor` is what the loader hands to a parameter's `weight_loader` in place of a
+  dense tensor: one tensor as stored (type, logical [rows, cols] shape, uint8 blocks).
+- `PackedWeight` is what a layer keeps in place of its `weight` parameter: the row segments of
+  its (possibly fused) matrix, each of one GGML type (a fused q/k/v projection of a Q4_K_M file
+  mixes Q4_K and Q6_K rows). Segments are kept separate, not concatenated, so that they can
+  stay views of the mapped file (no copy: the load's peak memory stays near the file size).
+- `packed_linear` / `packed_embedding` compute with it: the kernels' integer-dot matmul
+  (`torch.ops.impasto.quant_linear`, see impasto/kernels/quant_ops.cpp) when device preparation
+  installed them, else the eager path of `ggml_blocks` (dequantize a chunk of rows + matmul).
+
+Invariants: block tensors are never written (they may be read-only views of the file); a
+PackedWeight's segments cover its rows in order; the output dtype is the input's (bf16 or fp32
+activations, whatever the weights' type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from impasto.models.layers.ggml_blocks import (
+    BLOCK_SHAPE,
+    GGMLType,
+    dequantize_embedding,
+    dequantize_linear,
+    dequantize_rows,
+)
+
+PACKABLE_TYPES = frozenset(int(t) for t in BLOCK_SHAPE)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One packed matrix as loaded: `blocks` uint8 [rows, row_bytes] in GGML's layout."""
+
+    qtype: int
+    shape: tuple[int, int]  # logical (rows, cols)
+    blocks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        elems, nbytes = BLOCK_SHAPE[GGMLType(self.qtype)]
+        rows, cols = self.shape
+        if cols % elems or tuple(self.blocks.shape) != (rows, cols // elems * nbytes):
+            raise ValueError(
+                f"packed {GGMLType(self.qtype).name} tensor of shape {self.shape} cannot have "
+                f"blocks of shape {tuple(self.blocks.shape)}"
+            )
+
+    def narrow(self, start: int, size: int) -> QuantizedTensor:
+        """Rows [start, start + size) (a view)."""
+        return QuantizedTensor(self.qtype, (size, self.shape[1]), self.blocks[start : start + size])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.qtype, self.shape[1], dtype)
+
+
+class PackedWeight(nn.Module):
+    """A [rows, cols] weight as row segments of packed blocks (buffers, so `.to()` moves them).
+
+    `dtype` is the layer's compute dtype (what a dense weight would have had): embedding
+    lookups produce it."""
+
+    def __init__(self, parts: Sequence[QuantizedTensor], dtype: torch.dtype) -> None:
+        super().__init__()
+        if not parts or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("a packed weight needs segments with one column count")
+        self.qtypes = [p.qtype for p in parts]
+        self.cols = parts[0].shape[1]
+        self.rows = sum(p.shape[0] for p in parts)
+        self.dtype = dtype
+        for i, p in enumerate(parts):
+            self.register_buffer(f"segment_{i}", p.blocks, persistent=False)
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return [getattr(self, f"segment_{i}") for i in range(len(self.qtypes))]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.cols))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def extra_repr(self) -> str:
+        types = ", ".join(GGMLType(t).name for t in self.qtypes)
+        return f"rows={self.rows}, cols={self.cols}, types=[{types}]"
+
+
+def packed_linear_eager(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x W^T (+ b) by dequantizing chunks of rows (no compiler needed)."""
+    parts = [
+        dequantize_linear(x, blocks, qtype, weight.cols)
+        for blocks, qtype in zip(weight.blocks, weight.qtypes, strict=True)
+    ]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y if bias is None else y + bias
+
+
+class KernelPackedLinear:
+    """The kernels' packed matmul as a `LinearFn` (ops: `impasto.kernels.ops()`); the decoder
+    stack recognises layers computing with it."""
+
+    def __init__(self, ops: Any) -> None:
+        self.quant_linear = ops.quant_linear
+
+    def __call__(
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.quant_linear(x, weight.blocks, weight.qtypes, bias)
+
+
+def kernel_linear(ops: Any) -> KernelPackedLinear:
+    return KernelPackedLinear(ops)
+
+
+def packed_embedding(ids: torch.Tensor, weight: PackedWeight, ops: Any | None) -> torch.Tensor:
+    """[T] token ids -> [T, cols] rows of the (single-segment) packed table, in weight.dtype."""
+    (blocks,), (qtype,) = weight.blocks, weight.qtypes
+    if ops is not None and weight.dtype in (torch.float32, torch.bfloat16):
+        return ops.quant_embedding(ids, blocks, qtype, weight.cols, weight.dtype)
+    return dequantize_embedding(ids, blocks, qtype, weight.cols, weight.dtype)

@@ -1,0 +1,213 @@
+"""The packed GGML matmul and lookup (kernels/quant_ops.cpp) against the `gguf` package's
+dequantization followed by a float64 matmul.
+
+Tolerance, from the arithmetic: the weights are exact (integers times their block scales), the
+integer dot products are exact, so the one approximation is the activations' rounding to 8 bits
+per block: |x_i - d q_i| <= d / 2 with d = max|x over the block| / 127. A row's error is thus at
+most sum over blocks of d_b / 2 * sum |w_i| over the block, plus float32 accumulation (relative
+~1e-6 of sum |w_i x_i| over a few thousand terms; 1e-5 allowed). The bound is computed per output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from impasto import kernels
+from impasto.models.layers.quantized import PackedWeight, QuantizedTensor, packed_linear_eager
+
+HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for the CPU kernels")
+
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# (weight rows, columns in blocks of 256, activation rows): GEMV, small and large batches,
+# rows not a multiple of the 4-row passes, more rows than the 64-row tile, odd row counts.
+SHAPES = [(64, 2, 1), (37, 3, 2), (33, 1, 7), (130, 4, 70), (5, 1, 129)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = kernels.load()
+    if loaded is None:
+        pytest.skip("kernels unavailable")
+    return loaded
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random but valid blocks: every quant bit pattern (Q8_0's -128 included), finite half
+    scales of either sign."""
+    rng = np.random.default_rng(seed)
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    nb = cols // elems
+    raw = rng.integers(0, 256, size=(rows, nb, nbytes), dtype=np.uint8)
+    halves = ((rng.random((rows, nb, 2)) - 0.5) * 0.02).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # d is the block's last field
+        raw[..., 208:210] = halves[..., 0:2]
+    elif qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):  # d and m / dmin first
+        raw[..., 0:4] = halves.reshape(rows, nb, 4)
+    else:  # d first
+        raw[..., 0:2] = halves[..., 0:2]
+    return raw.reshape(rows, nb * nbytes)
+
+
+def error_bound(x: np.ndarray, w: np.ndarray, elems: int) -> np.ndarray:
+    """[T, O] bound on |kernel - exact| (see the module docstring)."""
+    t, n = x.shape
+    act = 256 if elems == 256 else 32  # activation block = the weight's block family
+    half_step = np.abs(x).reshape(t, n // act, act).max(-1) / 127 / 2  # [T, nb]
+    wabs = np.abs(w).reshape(w.shape[0], n // act, act).sum(-1)  # [O, nb]
+    rounding = half_step @ wabs.T
+    return rounding * 1.001 + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
+
+
+def run(ops, x: torch.Tensor, blocks: list[np.ndarray], types: list[Q], bias=None):
+    return ops.quant_linear(x, [torch.from_numpy(b) for b in blocks], [int(t) for t in types], bias)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matmul_within_activation_rounding(ops, qtype, shape):
+    rows, kblocks, t = shape
+    cols = 256 * kblocks
+    blocks = random_blocks(qtype, rows, cols, seed=rows + t)
+    w = dequantize(blocks, qtype).reshape(rows, cols).astype(np.float64)
+    x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
+    y = run(ops, x, [blocks], [qtype]).double().numpy()
+    exact = x.double().numpy() @ w.T
+    bound = error_bound(x.double().numpy(), w, GGML_QUANT_SIZES[qtype][0])
+    assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
+    # and the bound is not vacuous: the error is a visible fraction of it somewhere
+    assert np.max(np.abs(y - exact) / bound) > 1e-3
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_rows_do_not_depend_on_the_batch(ops, qtype):
+    """Each row's result is the same bits alone, in any batch, at any position of it."""
+    blocks = random_blocks(qtype, 70, 512, seed=3)
+    x = torch.randn(67, 512, generator=torch.Generator().manual_seed(1))
+    full = run(ops, x, [blocks], [qtype])
+    for idx in ([0], [66], [5, 6, 7], list(range(3, 67, 2))):
+        assert torch.equal(run(ops, x[idx], [blocks], [qtype]), full[idx])
+    shuffled = torch.randperm(67, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(run(ops, x[shuffled], [blocks], [qtype]), full[shuffled])
+
+
+def test_segments_bias_and_bf16(ops):
+    """Row segments of mixed families (a Q4_K_M q/k/v projection mixes types) give the
+    concatenation of each segment alone; the bias is added in float before one rounding;
+    bf16 activations are widened exactly, so they match the float32 call on the same values."""
+    cols = 512
+    parts = [(Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q8_0, 16), (Q.Q5_0, 3)]
+    blocks = [random_blocks(t, r, cols, seed=i) for i, (t, r) in enumerate(parts)]
+    types = [t for t, _ in parts]
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
+    alone = torch.cat(
+        [run(ops, x.float(), [b], [t]) for b, t in zip(blocks, types, strict=True)], dim=1
+    )
+    assert torch.equal(run(ops, x.float(), blocks, types), alone)
+    bias = torch.randn(alone.shape[1])
+    assert torch.equal(run(ops, x.float(), blocks, types, bias), alone + bias)
+    y16 = run(ops, x, blocks, types, bias.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, (alone + bias.bfloat16().float()).bfloat16())
+    # leading dims and empty inputs
+    assert run(ops, x.float().view(5, 1, cols), blocks, types).shape == (5, 1, alone.shape[1])
+    assert run(ops, x.float()[:0], blocks, types).shape == (0, alone.shape[1])
+
+
+def test_shape_errors(ops):
+    blocks = random_blocks(Q.Q4_K, 4, 512)
+    with pytest.raises(RuntimeError, match="does not match the packed row"):
+        run(ops, torch.randn(1, 256), [blocks], [Q.Q4_K])
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        ops.quant_linear(torch.randn(1, 512), [torch.from_numpy(blocks)], [int(Q.Q2_K)])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_embedding_rows_are_gguf_dequantization(ops, qtype):
+    blocks = random_blocks(qtype, 40, 512, seed=5)
+    table = torch.from_numpy(dequantize(blocks, qtype).reshape(40, 512))
+    ids = torch.tensor([0, 39, 7, 7, 12])
+    got = ops.quant_embedding(ids, torch.from_numpy(blocks), int(qtype), 512, torch.float32)
+    assert torch.equal(got, table[ids])
+    got16 = ops.quant_embedding(ids, torch.from_numpy(blocks), int(qtype), 512, torch.bfloat16)
+    assert torch.equal(got16, table[ids].bfloat16())
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.quant_embedding(torch.tensor([40]), torch.from_numpy(blocks), int(qtype), 512,
+                            torch.float32)  # fmt: skip
+
+
+def test_eager_fallback_agrees(ops):
+    """Without a compiler layers dequantize rows and matmul (quantized.py): the same numbers
+    up to the activation rounding the kernel adds."""
+    cols = 512
+    parts = [(Q.Q4_K, 32), (Q.Q6_K, 8), (Q.Q5_0, 8)]
+    tensors = [
+        QuantizedTensor(int(t), (r, cols), torch.from_numpy(random_blocks(t, r, cols, seed=r)))
+        for t, r in parts
+    ]
+    weight = PackedWeight(tensors, torch.float32)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4))
+    eager = packed_linear_eager(x, weight)
+    kernel = ops.quant_linear(x, weight.blocks, weight.qtypes)
+    w = np.concatenate([t.dequantize(torch.float64).numpy() for t in tensors])
+    exact = x.double().numpy() @ w.T
+    assert np.allclose(eager.double().numpy(), exact, rtol=1e-5, atol=1e-5)
+    bound = np.concatenate(
+        [
+            error_bound(
+                x.double().numpy(),
+                t.dequantize(torch.float64).numpy(),
+                GGML_QUANT_SIZES[Q(t.qtype)][0],
+            )  # fmt: skip
+            for t in tensors
+        ],
+        axis=1,
+    )
+    assert np.all(np.abs(kernel.double().numpy() - exact) <= bound)
+
+
+_ISA_SCRIPT = """
+import json, sys, numpy as np, torch
+sys.path.insert(0, {root!r})
+from impasto import kernels
+from tests.kernels.test_quant_ops import TYPES, random_blocks
+ops = kernels.load()
+x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0))
+out = {{"isa": ops.quant_isa()}}
+for t in TYPES:
+    y = ops.quant_linear(x, [torch.from_numpy(random_blocks(t, 9, 512))], [int(t)])
+    out[t.name] = y.numpy().view(np.int32).tolist()
+print(json.dumps(out))
+"""
+
+
+def _isa_outputs(isa: str) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, IMPASTO_CPU_ISA=isa)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT.format(root=root)],
+        env=env, capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_avx2_build_gives_the_same_bits_as_the_native_one(ops):
+    """On a CPU with VNNI the native build's dot products use it; a build limited to AVX2
+    must give the same results bit for bit (the integer sums are exact on both)."""
+    native, avx2 = _isa_outputs("native"), _isa_outputs("avx2")
+    assert avx2["isa"] in ("avx2", "portable")
+    if native["isa"] == avx2["isa"]:
+        pytest.skip(f"this CPU has no wider instruction set than {avx2['isa']}")
+    for t in TYPES:
+        assert native[t.name] == avx2[t.name], t.name
