@@ -19,6 +19,9 @@ from impasto.errors import InvalidParameterError
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB when neither a block count nor a budget is given
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+# None / "gguf": a GGUF file's quantized matrices run packed (what the file holds); "none":
+# dequantize every weight to `dtype` at load (impasto's own value, for comparisons).
+QUANTIZATIONS = (None, "gguf", "none")
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # activations and KV cache: "auto" | "float32" | "bfloat16" | "float16"
+    quantization: str | None = None  # see QUANTIZATIONS
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -55,6 +59,12 @@ class EngineArgs:
         def bad(name: str, message: str) -> InvalidParameterError:
             return InvalidParameterError(name, message)
 
+        if self.quantization not in QUANTIZATIONS:
+            raise bad(
+                "quantization",
+                f"quantization {self.quantization!r} is not supported; impasto runs GGUF files "
+                "packed (None or 'gguf'), or dequantized with 'none'.",
+            )
         if self.dtype not in DTYPES:
             raise bad(
                 "dtype", f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}."

@@ -59,7 +59,7 @@ class EngineComponents:
 def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
-    if gguf:  # quantized weights are dequantized: bf16 keeps them compact and fast
+    if gguf:  # activations of packed (or dequantized) GGUF weights: bf16 runs the fused kernels
         return torch.bfloat16
     configured = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
     if configured in (torch.float32, "float32"):
@@ -77,7 +77,12 @@ def build_components(args: EngineArgs) -> EngineComponents:
     gguf = is_gguf_file(path)
     config = load_config(path)
     dtype = resolve_dtype(args.dtype, config, gguf)
-    loaded = prepare_for_device(load_model(path, config, dtype).to(device))
+    if args.quantization == "gguf" and not gguf:
+        raise InvalidParameterError(
+            "quantization", f"quantization='gguf' needs a GGUF file; {path.name} is not one."
+        )
+    packed = args.quantization != "none"
+    loaded = prepare_for_device(load_model(path, config, dtype, packed).to(device))
     if not isinstance(loaded, CausalLM):
         raise TypeError(f"{type(loaded).__name__} does not implement impasto's model interface")
     model: CausalLM = loaded
@@ -116,7 +121,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
             spec, diffusion=args.diffusion_config is not None, max_model_len=max_model_len
         )
         if spec.uses_draft_model:
-            draft = _load_draft(spec, config, dtype, device, max_model_len)
+            draft = _load_draft(spec, config, dtype, device, max_model_len, packed)
     bs = args.block_size
     per_block = kv_cache_bytes_per_block(model, bs, dtype)
     if draft is not None:  # the draft's cache is paged by the same block tables
@@ -221,7 +226,12 @@ def build_components(args: EngineArgs) -> EngineComponents:
 
 
 def _load_draft(
-    spec: SpeculativeConfig, target_config: Any, dtype: torch.dtype, device: str, max_len: int
+    spec: SpeculativeConfig,
+    target_config: Any,
+    dtype: torch.dtype,
+    device: str,
+    max_len: int,
+    packed: bool = True,
 ):
     assert spec.model is not None
     draft_path = resolve_model(spec.model)
@@ -238,7 +248,7 @@ def _load_draft(
             f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
             f"max_model_len ({max_len}): decrease max_model_len.",
         )
-    return prepare_for_device(load_model(draft_path, draft_config, dtype).to(device))
+    return prepare_for_device(load_model(draft_path, draft_config, dtype, packed).to(device))
 
 
 def _build_proposer(spec, draft, sched: SchedulerConfig, dtype, device, seed: int):

@@ -25,8 +25,9 @@ def _json_arg(text: str) -> dict:
 
 
 _ENGINE_FLAGS = (
-    "tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching",
+    "tokenizer", "dtype", "quantization", "seed", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+    "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
     "step_timeout_s", "max_waiting_requests",
@@ -63,7 +64,12 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
         p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2)")
     p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activations and KV cache (GGUF weights stay packed unless "
+                        "--quantization none)")  # fmt: skip
+    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                   help="default: what the file holds (a GGUF file's quantized matrices run "
+                        "packed); none: dequantize every weight to --dtype at load")  # fmt: skip
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)

@@ -21,6 +21,8 @@
 #endif
 
 #include <algorithm>
+#include <array>
+#include <optional>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_ops.h"
 #include "vec_math.h"
 
 namespace {
@@ -546,14 +549,32 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
 // output, the residual stream), whose sum the final norm takes. Per layer, `weights` holds
 // kLayerFields entries (absent ones None), in the order of the LayerField enum (see
 // StackLayer in decoder_stack.py); kv_caches and windows are per layer.
+//
+// Packed GGUF weights: a linear field whose weight is packed is None in `weights`; its row
+// segments come from `packed` in order, described by `packed_meta`: for every layer, for each
+// of its four linear fields (qkv, o, gate_up, down), the segment count n (0 = dense), then the
+// n GGML types.
 enum LayerField {
   kInNorm, kQkvW, kQkvB, kQNorm, kKNorm, kOW, kOB, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB,
   kLayerFields
 };
 
+// One linear layer's weight: dense bf16, or packed row segments.
+struct StackLinear {
+  std::optional<at::Tensor> dense;
+  std::vector<at::Tensor> segments;
+  std::vector<int64_t> qtypes;
+
+  at::Tensor operator()(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+    if (dense.has_value()) return linear_2d(x, *dense, bias);
+    return impasto_quant::linear_segments(x, segments, qtypes, bias);
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& x_in, const at::Tensor& table,
-    const c10::List<std::optional<at::Tensor>>& weights, at::TensorList kv_caches,
+    const c10::List<std::optional<at::Tensor>>& weights, at::TensorList packed,
+    at::IntArrayRef packed_meta, at::TensorList kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_table,
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& causal,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -564,10 +585,32 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               "decoder_layers: expected ", kLayerFields, " weights and one window per layer");
   check_rows(x_in, "x");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "decoder_layers: bfloat16 only");
+  // Resolve every layer's four linear weights (dense or packed) up front.
+  constexpr LayerField kLinears[4] = {kQkvW, kOW, kGateUpW, kDownW};
+  std::vector<std::array<StackLinear, 4>> linears(layers);
+  size_t meta = 0, seg = 0;
+  for (int64_t l = 0; l < layers; ++l)
+    for (int f = 0; f < 4; ++f) {
+      StackLinear& lin = linears[l][f];
+      TORCH_CHECK(meta < packed_meta.size(), "decoder_layers: packed_meta too short");
+      const int64_t n = packed_meta[meta++];
+      if (n == 0) {
+        lin.dense = weights.get(l * kLayerFields + kLinears[f]);
+        TORCH_CHECK(lin.dense.has_value(), "decoder_layers: a linear weight is neither dense nor packed");
+        continue;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        TORCH_CHECK(meta < packed_meta.size() && seg < packed.size(), "decoder_layers: packed segments missing");
+        lin.qtypes.push_back(packed_meta[meta++]);
+        lin.segments.push_back(packed[seg++]);
+      }
+    }
+  TORCH_CHECK(meta == packed_meta.size() && seg == packed.size(), "decoder_layers: packed_meta disagrees with packed");
   const int64_t t = x_in.size(0), hq = num_heads, hkv = num_kv_heads, d = head_dim;
   at::Tensor x = x_in, residual;  // the residual stream starts as the embeddings (layer 0)
   for (int64_t l = 0; l < layers; ++l) {
     auto w = [&](LayerField f) { return weights.get(l * kLayerFields + f); };
+    const auto& lin = linears[l];
     at::Tensor h;
     if (residual.defined()) {
       std::tie(h, residual) = norm_impl(x, residual, *w(kInNorm), eps, false);
@@ -576,7 +619,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       residual = x;
     }
     // [T, (Hq + 2 Hkv) * D] -> [T, Hq + 2 Hkv, D]: q heads, k heads, v heads
-    const at::Tensor qkv = linear_2d(h, *w(kQkvW), w(kQkvB)).view({t, hq + 2 * hkv, d});
+    const at::Tensor qkv = lin[0](h, w(kQkvB)).view({t, hq + 2 * hkv, d});
     at::Tensor q = qkv.narrow(1, 0, hq), k = qkv.narrow(1, hq, hkv);
     const at::Tensor v = qkv.narrow(1, hq + hkv, hkv);
     if (w(kQNorm).has_value()) {  // Qwen3: per-head RMSNorm, then rotary on the normed copies
@@ -589,10 +632,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     }
     const at::Tensor attn = paged_attention(q, k, v, kv_caches[l], slot_mapping, block_table,
                                             query_start_loc, seq_lens, causal, scale, windows[l], 0.0);
-    const at::Tensor o = linear_2d(attn, *w(kOW), w(kOB));
+    const at::Tensor o = lin[1](attn, w(kOB));
     std::tie(h, residual) = norm_impl(o, residual, *w(kPostNorm), eps, false);
-    const at::Tensor act = silu_and_mul(linear_2d(h, *w(kGateUpW), w(kGateUpB)));
-    x = linear_2d(act, *w(kDownW), w(kDownB));
+    const at::Tensor act = silu_and_mul(lin[2](h, w(kGateUpB)));
+    x = lin[3](act, w(kDownB));
   }
   return {x, residual};
 }
@@ -610,7 +653,7 @@ TORCH_LIBRARY(impasto, m) {
       "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor causal, float scale, "
       "int window, float softcap) -> Tensor");
   m.def(
-      "decoder_layers(Tensor x, Tensor table, Tensor?[] weights, "
+      "decoder_layers(Tensor x, Tensor table, Tensor?[] weights, Tensor[] packed, int[] packed_meta, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_table, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor causal, int num_heads, int num_kv_heads, int head_dim, float eps, "
       "float scale, int[] windows) -> (Tensor, Tensor)");

@@ -12,6 +12,9 @@ the native call. The model side (`impasto.models.llama_stack`) builds the descri
 whether its layers qualify, and asks the step's attention plan whether the fused paged
 attention takes the step.
 
+A linear layer's weight is dense bf16 or packed GGUF blocks (`PackedSegments`), computed on by
+the kernels' integer-dot matmul (impasto/kernels/quant_ops.cpp), as the per-module path does.
+
 Layer computation (per layer, all norms RMSNorm with one epsilon, no soft-capping):
 h = norm(x + residual); qkv = h Wqkv (+b); [q/k per-head norms]; rotary on q, k; paged
 attention (writes the cache); o = attn Wo (+b); h, residual = norm(o + residual);
@@ -22,9 +25,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class PackedSegments(Protocol):
+    """A packed GGUF weight as the kernels take it (models' `PackedWeight`): row segments of
+    GGML blocks (uint8 [rows, row_bytes]) and their GGML type ids."""
+
+    @property
+    def blocks(self) -> list[torch.Tensor]: ...
+
+    qtypes: list[int]
+
+
+Weight = torch.Tensor | PackedSegments  # a linear layer's weight: dense bf16 or packed
+LINEAR_FIELDS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # C++'s order
 
 
 @dataclass(frozen=True)
@@ -32,16 +50,16 @@ class StackLayer:
     """One layer's tensors, in the order of C++'s `enum LayerField` (absent ones None)."""
 
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3: per-head RMSNorm on q and k before rotary
     k_norm: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor  # [2I, H]: gate rows, then up rows
+    gate_up_weight: Weight  # [2I, H]: gate rows, then up rows
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: Weight
     down_bias: torch.Tensor | None
 
 
@@ -56,12 +74,25 @@ class DecoderStack:
     eps: float  # every norm's epsilon (q/k norms included)
     scale: float  # attention scale
     weights: list[torch.Tensor | None] = field(init=False)  # all layers' fields, kernel order
+    packed: list[torch.Tensor] = field(init=False)  # packed linear weights' segments, in order
+    packed_meta: list[int] = field(init=False)  # per layer and linear field: n, then n types
 
     def __post_init__(self) -> None:
         if not (len(self.layers) == len(self.layer_ids) == len(self.windows)):
             raise ValueError("a decoder stack needs one layer id and one window per layer")
         names = [f.name for f in fields(StackLayer)]  # declaration order = kernel order
-        self.weights = [getattr(layer, n) for layer in self.layers for n in names]
+        self.weights, self.packed, self.packed_meta = [], [], []
+        for layer in self.layers:
+            for n in names:
+                value = getattr(layer, n)
+                self.weights.append(None if isinstance(value, PackedSegments) else value)
+            for n in LINEAR_FIELDS:
+                value = getattr(layer, n)
+                if isinstance(value, PackedSegments):
+                    self.packed += value.blocks
+                    self.packed_meta += [len(value.qtypes), *value.qtypes]
+                else:
+                    self.packed_meta.append(0)
 
     def run(
         self,
@@ -77,7 +108,7 @@ class DecoderStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (last MLP output, residual stream), [T, hidden]
         caches = [kv_caches[i] for i in self.layer_ids]
         return ops.decoder_layers(
-            x, cos_sin, self.weights, caches, slot_mapping, block_table, query_start_loc,
-            seq_lens, causal, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-            self.scale, self.windows,
+            x, cos_sin, self.weights, self.packed, self.packed_meta, caches, slot_mapping,
+            block_table, query_start_loc, seq_lens, causal, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.eps, self.scale, self.windows,
         )  # fmt: skip

@@ -5,14 +5,20 @@ Invariants of what this module yields:
 - shapes are torch order (GGUF stores `ne`, innermost first, so shapes are reversed);
 - rows of llama q/k projections are back in HF layout (the converter interleaves them per head
   for its rotary kernel; qwen2/qwen3 are written unpermuted);
-- no `lm_head.weight` is yielded for tied checkpoints (`config.tie_word_embeddings` is True).
+- no `lm_head.weight` is yielded for tied checkpoints (`config.tie_word_embeddings` is True);
+- with `packed=True`, 2-D tensors of a type the kernels compute on (`PACKABLE_TYPES`: Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are yielded as `QuantizedTensor`s whose blocks are
+  read-only views of the mapped file (no copy, nothing read at load); other quantized types are
+  dequantized, with one log line naming them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,9 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from impasto.loader.gguf_file import GGUFFile
+from impasto.models.layers.quantized import PACKABLE_TYPES, QuantizedTensor
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
@@ -55,8 +66,8 @@ _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
 @lru_cache(maxsize=4)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path, "r")
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def release_gguf_readers() -> None:
@@ -65,20 +76,19 @@ def release_gguf_readers() -> None:
     _cached_reader.cache_clear()
 
 
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """A (cached) read-only reader; parsing metadata of a large vocab takes seconds."""
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """A (cached) read-only reader: config, tokenizer and weights read the same parse."""
     p = Path(path).expanduser().resolve()
     st = p.stat()
     return _cached_reader(str(p), st.st_mtime_ns, st.st_size)
 
 
-def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def gguf_metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """The value of a metadata key (str, number, bool or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return reader.metadata.get(key, default)
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     arch = gguf_metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
@@ -122,7 +132,7 @@ def _fit_llama3_rope(factors: np.ndarray, theta: float, dim: int, orig_ctx: int)
     }
 
 
-def _rope_parameters(reader: GGUFReader, arch: str, head_dim: int) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
     theta = float(gguf_metadata(reader, f"{arch}.rope.freq_base", 10000.0))
     rope_dim = gguf_metadata(reader, f"{arch}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
@@ -241,15 +251,43 @@ def dequantize_weight(weight: GGUFWeight, dtype: torch.dtype = torch.float32) ->
     return torch.from_numpy(array).reshape(weight.shape).to(dtype)
 
 
+# Types that are plain floats, not quantization: dequantizing them is just a cast.
+_FLOAT_TYPES = frozenset(
+    {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+)
+
+
+def packed_tensor(weight: GGUFWeight) -> QuantizedTensor:
+    """The stored blocks as a uint8 tensor sharing the file mapping (never written)."""
+    with warnings.catch_warnings():  # the mapping is read-only; nothing writes packed blocks
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(weight.data)
+    rows, cols = weight.shape
+    return QuantizedTensor(int(weight.qtype), (rows, cols), blocks.view(rows, -1))
+
+
 def iter_gguf_weights(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, dequantized tensor) pairs for every parameter in the GGUF file."""
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, packed: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF name, tensor) pairs for every parameter in the GGUF file: dequantized to `dtype`,
+    or, with `packed`, `QuantizedTensor`s for the matrices the kernels compute on."""
+    dequantized: dict[str, list[str]] = {}
     for weight in iter_gguf_raw(path):
+        if packed and weight.qtype in PACKABLE_TYPES and len(weight.shape) == 2:
+            yield weight.name, packed_tensor(weight)
+            continue
+        if packed and weight.qtype not in _FLOAT_TYPES:
+            dequantized.setdefault(weight.qtype.name, []).append(weight.name)
         yield weight.name, dequantize_weight(weight, dtype)
+    for qtype, names in dequantized.items():
+        logger.warning(
+            "%d tensors of type %s dequantized to %s at load (no packed kernel for the type): %s",
+            len(names), qtype, str(dtype).removeprefix("torch."), ", ".join(names[:8])
+            + (", ..." if len(names) > 8 else ""),
+        )  # fmt: skip
 
 
 def load_gguf_state_dict(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    return dict(iter_gguf_weights(path, dtype))
+    return {name: t for name, t in iter_gguf_weights(path, dtype) if isinstance(t, torch.Tensor)}

@@ -41,7 +41,7 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -63,7 +63,7 @@ def load_hf_model(
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     model_cls = get_model_class(list(config.architectures or []))
     # Parameters are created empty, directly in the target dtype and device (no init pass).
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = model_cls(config)
     model.load_weights(iter_safetensors(folder))
     return model.eval(), config

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from impasto.loader.gguf_file import GGUFFile
 from impasto.loader.gguf_loader import gguf_metadata, open_gguf
 
 # Split patterns of byte-level BPE families (applied before the byte-to-unicode mapping).
@@ -48,12 +48,12 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _token(reader: GGUFReader, tokens: list[str], key: str) -> str | None:
+def _token(reader: GGUFFile, tokens: list[str], key: str) -> str | None:
     idx = gguf_metadata(reader, f"tokenizer.ggml.{_ID_KEYS[key]}_token_id")
     return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
 
-def _byte_level_bpe(reader: GGUFReader, tokens: list[str], pre_type: str) -> Tokenizer:
+def _byte_level_bpe(reader: GGUFFile, tokens: list[str], pre_type: str) -> Tokenizer:
     split, digits, nfc, ignore_merges = _PRE_TYPES[pre_type]
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):

@@ -5,7 +5,8 @@ ids, windows, head shapes, epsilon, scale), decides once whether they qualify, a
 whether the step does.
 
 Taken when, and only when, every condition of the per-module kernel path holds for the whole
-stack: bf16 weights on CPU read by the skinny GEMM (not oneDNN-packed, see packed.py), SiLU
+stack: bf16 activations on CPU, linear weights read by the skinny bf16 GEMM (not oneDNN-packed,
+see packed.py) or by the packed GGUF matmul (quantized.py), SiLU
 MLPs, plain (non-Gemma) RMSNorms sharing one epsilon, no logit soft-capping, one rank; and per
 step: the step's attention plan says the fused paged attention takes it (every request a
 short query whose keys are all written, a bf16 CPU cache; `AttentionPlan.fused_short_queries`)
@@ -25,6 +26,7 @@ from impasto.kernels.decoder_stack import DecoderStack, StackLayer
 from impasto.models.layers.device_hooks import FusedOps
 from impasto.models.layers.mlp import FUSED_SILU_MAX_ROWS
 from impasto.models.layers.parallel import tp_size
+from impasto.models.layers.quantized import KernelPackedLinear
 
 if TYPE_CHECKING:
     from impasto.models.llama import LlamaDecoderLayer, LlamaModel
@@ -70,8 +72,9 @@ def unsupported_reason(ops: FusedOps, model: LlamaModel) -> str | None:
         return "MLP not fused"
     linears = [m for a in attns for m in (a.qkv_proj, a.o_proj)]
     linears += [m for layer in layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if any(m.linear is not ops.linear_bf16 for m in linears):
-        return "linear weights not on the skinny bf16 GEMM (packed or not bf16)"
+    if any(m.linear is not ops.linear_bf16 and not isinstance(m.linear, KernelPackedLinear)
+           for m in linears):  # fmt: skip
+        return "linear weights neither on the skinny bf16 GEMM nor packed GGUF (oneDNN or fp32)"
     shapes = {(a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale) for a in attns}
     if len(shapes) != 1:
         return "layers differ in head shapes"

@@ -1,4 +1,10 @@
-"""Strict loading of HF-named checkpoint tensors into a model built from shared layers."""
+"""Strict loading of HF-named checkpoint tensors into a model built from shared layers.
+
+A checkpoint tensor may be a packed GGUF `QuantizedTensor`: it goes to layers that keep packed
+weights (`accepts_packed`: linear layers, embeddings, LM heads) as it is, and is dequantized to
+the parameter's dtype for any other. Once all tensors are in, every module with a
+`finish_loading` hook is called (packed layers swap their weights then).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from impasto.models.layers.device_hooks import FinishesLoading
+from impasto.models.layers.quantized import QuantizedTensor
 
 # (fused parameter name part, HF name part, shard id): HF's q/k/v and gate/up tensors load
 # into the fused projections as shards.
@@ -52,6 +61,10 @@ def load_weights_strict(
             unexpected.append(name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, QuantizedTensor):
+            owner = model.get_submodule(target.rpartition(".")[0])
+            if not getattr(owner, "accepts_packed", False):
+                tensor = tensor.dequantize(param.dtype)
         try:
             loader(param, tensor, shard)
         except ValueError as e:
@@ -74,3 +87,6 @@ def load_weights_strict(
             f"checkpoint does not match {type(model).__name__}: "
             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
         )
+    for module in list(model.modules()):  # a list: packed layers add submodules as they finish
+        if isinstance(module, FinishesLoading):
+            module.finish_loading()

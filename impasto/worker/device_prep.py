@@ -16,7 +16,8 @@ from typing import TypeVar
 from torch import nn
 
 from impasto import kernels
-from impasto.models.layers.device_hooks import PacksWeights, UsesKernels
+from impasto.models.layers.device_hooks import PacksWeights, UsesKernels, UsesPackedKernels
+from impasto.models.layers.quantized import PackedWeight
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -26,17 +27,28 @@ def prepack_linear_weights(model: nn.Module) -> int:
 
 def install_kernels(model: nn.Module) -> int:
     """Point the layers of `model` that use the kernels at them; returns how many took them
-    (0: not wanted, i.e. not a bf16 CPU model, or the kernels are unavailable). Builds the
-    kernel library if needed."""
+    (0: not wanted, i.e. neither a bf16 CPU model nor packed GGUF weights on CPU, or the
+    kernels are unavailable). Builds the kernel library if needed.
+
+    Packed GGUF weights take the kernels' packed matmul whatever the activation dtype; the
+    other layer kernels serve bf16 models only (float32 keeps the eager reference path)."""
     param = next(model.parameters(), None)
-    if param is None or not kernels.wanted(param.dtype, param.device):
+    if param is None:
+        return 0
+    packed = any(isinstance(m, PackedWeight) and m.segment_0.device.type == "cpu"
+                 for m in model.modules())  # fmt: skip
+    dense = kernels.wanted(param.dtype, param.device)
+    if not (dense or (packed and kernels.enabled())):
         return 0
     ops = kernels.load()
     if ops is None:
         return 0
     # Reversed pre-order: every module comes after all of its descendants.
-    modules = reversed(list(model.modules()))
-    return sum(m.use_kernels(ops) for m in modules if isinstance(m, UsesKernels))
+    modules = list(reversed(list(model.modules())))
+    count = sum(m.use_packed_kernels(ops) for m in modules if isinstance(m, UsesPackedKernels))
+    if dense:
+        count += sum(m.use_kernels(ops) for m in modules if isinstance(m, UsesKernels))
+    return count
 
 
 M = TypeVar("M", bound=nn.Module)

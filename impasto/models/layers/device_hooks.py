@@ -8,7 +8,9 @@ by implementing them:
   `packed.py`); runs first;
 - `UsesKernels.use_kernels(ops)`: switch its forward to the fused ops where they apply. Called
   children before parents, so a module spanning several layers (a decoder stack) sees its
-  layers already switched.
+  layers already switched. bf16 models only;
+- `UsesPackedKernels.use_packed_kernels(ops)`: a layer holding packed GGUF weights computes
+  with the kernels' packed matmul / lookup, for any activation dtype; runs before `use_kernels`.
 
 Invariant: with no hook called, every layer runs its eager PyTorch path; the hooks never
 change what a layer computes beyond the kernels' documented rounding (`impasto.kernels`).
@@ -97,6 +99,22 @@ class FusedOps(Protocol):
         """A Llama-family decoder stack in one call (`impasto.kernels.decoder_stack`)."""
         ...
 
+    def quant_linear(
+        self,
+        x: torch.Tensor,
+        blocks: Sequence[torch.Tensor],
+        qtypes: Sequence[int],
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y = x W^T (+ b) on packed GGML row segments (impasto/kernels/quant_ops.cpp)."""
+        ...
+
+    def quant_embedding(
+        self, ids: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` of a packed table, dequantized to `dtype`."""
+        ...
+
     def denoise_rows(
         self, logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor, grid: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,6 +126,20 @@ class FusedOps(Protocol):
 class UsesKernels(Protocol):
     def use_kernels(self, ops: FusedOps) -> bool:
         """Switch this module's forward to `ops` where they apply; True if it did."""
+        ...
+
+
+@runtime_checkable
+class UsesPackedKernels(Protocol):
+    def use_packed_kernels(self, ops: FusedOps) -> bool:
+        """Compute with `ops` on this module's packed GGUF weight; True if it has one."""
+        ...
+
+
+@runtime_checkable
+class FinishesLoading(Protocol):
+    def finish_loading(self) -> None:
+        """Called once every checkpoint tensor has been handed to the weight loaders."""
         ...
 
 

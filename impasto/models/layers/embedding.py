@@ -1,6 +1,14 @@
-"""Vocab-parallel token embedding and LM head (each rank holds a contiguous vocab slice)."""
+"""Vocab-parallel token embedding and LM head (each rank holds a contiguous vocab slice).
+
+A packed GGUF table (`quantized.py`) replaces the `weight` parameter by a `PackedWeight` at
+load (one rank only; with more, it is dequantized): lookups dequantize the rows they read, and
+an LM head tied to it computes on the packed table too (`finish_loading` re-ties the head to the
+embedding's current weight, since the parameter it was tied to is gone).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -9,9 +17,17 @@ from torch import nn
 from impasto.models.layers.device_hooks import LinearFn
 from impasto.models.layers.packed import SwappableLinear, plain_linear
 from impasto.models.layers.parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_size
+from impasto.models.layers.quantized import (
+    PackedWeight,
+    QuantizedTensor,
+    packed_embedding,
+    packed_linear_eager,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
+    accepts_packed = True  # its weight_loader takes a QuantizedTensor table
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
@@ -21,18 +37,33 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp_rank() * self.local
         self.weight = nn.Parameter(torch.empty(self.local, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_ops: Any = None  # the kernels' ops for a packed table (`use_packed_kernels`)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
+        if loaded.shape[0] != self.num_embeddings or tuple(loaded.shape[1:]) != param.shape[1:]:
             raise ValueError(
                 f"embedding shape {tuple(loaded.shape)} does not match "
                 f"({self.num_embeddings}, {param.shape[1]})"
             )
+        if isinstance(loaded, QuantizedTensor):
+            if tp_size() == 1 and param is self.weight:
+                del self.weight
+                self.weight = PackedWeight([loaded], param.dtype)  # type: ignore[assignment]
+                return
+            loaded = loaded.dequantize(param.dtype)
         part = loaded[self.start : self.start + self.local]
         param.data[: part.shape[0]].copy_(part)
         param.data[part.shape[0] :].zero_()
 
+    def use_packed_kernels(self, ops: Any) -> bool:
+        if not isinstance(self.weight, PackedWeight):
+            return False
+        self.quant_ops = ops
+        return True
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if isinstance(self.weight, PackedWeight):
+            return packed_embedding(input_ids, self.weight, self.quant_ops)
         if tp_size() == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -49,8 +80,17 @@ class ParallelLMHead(SwappableLinear, VocabParallelEmbedding):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.linear: LinearFn = plain_linear  # swapped by `pack_weights` / `use_kernels`
+        # Not a submodule (it is the model's embedding): a one-element list hides it from nn.
+        self.tied_to: list[VocabParallelEmbedding] = [tie_to] if tie_to is not None else []
         if tie_to is not None:
             self.weight = tie_to.weight
+
+    def finish_loading(self) -> None:
+        if self.tied_to and self.weight is not self.tied_to[0].weight:
+            del self.weight
+            self.weight = self.tied_to[0].weight
+        if isinstance(self.weight, PackedWeight) and self.linear is plain_linear:
+            self.linear = packed_linear_eager
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         logits = all_gather_last_dim(self.linear(hidden, self.weight))

@@ -4,6 +4,12 @@ Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that tak
 (unsharded) HF tensor and copies this rank's slice into place, so a checkpoint loader never
 needs to know how a layer is sharded. Fused layers (QKV, gate/up) take one shard per call.
 Parameters are created with `torch.empty` in torch's default dtype and device.
+
+Packed GGUF weights (`quantized.py`): a `weight_loader` may receive a `QuantizedTensor` instead
+of a dense tensor. When every shard of a layer arrives packed, `finish_loading` replaces the
+`weight` parameter (never written, so never allocated) by a `PackedWeight` and the matmul by the
+packed one; when a fused layer gets packed and dense shards, the packed ones are dequantized
+into the parameter instead. Packed weights need one rank (tensor parallelism dequantizes).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import nn
 from impasto.models.layers.device_hooks import LinearFn
 from impasto.models.layers.packed import SwappableLinear, plain_linear
 from impasto.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from impasto.models.layers.quantized import PackedWeight, QuantizedTensor, packed_linear_eager
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -35,6 +42,7 @@ class LinearBase(SwappableLinear, nn.Module):
     bf16 GEMM)."""
 
     tp_dim: int | None = None
+    accepts_packed = True  # its weight_loader takes QuantizedTensor shards
     shard_ids: tuple = (None,)  # shards a checkpoint must provide for each parameter
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
@@ -45,13 +53,45 @@ class LinearBase(SwappableLinear, nn.Module):
         self.bias = _param(out_local) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self._packed_parts: dict[int, QuantizedTensor] = {}  # row offset -> packed shard
+
+    def _load_packed(self, param: nn.Parameter, loaded: QuantizedTensor, offset: int) -> bool:
+        """Keep a packed shard for `finish_loading`; False if it must be loaded dense."""
+        if param is not self.weight or tp_size() > 1:
+            return False
+        self._packed_parts[offset] = loaded
+        return True
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            if loaded.shape != tuple(param.shape):
+                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                                 f"checkpoint {loaded.shape}")  # fmt: skip
+            if self._load_packed(param, loaded, 0):
+                return
+            loaded = loaded.dequantize(param.dtype)
         dim = self.tp_dim if self.tp_dim is not None and self.tp_dim < loaded.dim() else None
         if dim is not None and tp_size() > 1:
             size = divide(loaded.shape[dim], tp_size())
             loaded = loaded.narrow(dim, tp_rank() * size, size)
         _copy(param, loaded)
+
+    def finish_loading(self) -> None:
+        """Switch to the packed weight if every row arrived packed (see the module doc)."""
+        parts, self._packed_parts = sorted(self._packed_parts.items()), {}
+        if not parts:
+            return
+        covered = sum(p.shape[0] for _, p in parts)
+        if covered == self.weight.shape[0]:  # offsets are distinct shards: rows all packed
+            dtype = self.weight.dtype
+            del self.weight
+            self.weight = PackedWeight([p for _, p in parts], dtype)  # type: ignore[assignment]
+            self.linear = packed_linear_eager
+            return
+        for offset, part in parts:  # mixed packed and dense shards: all dense
+            self.weight.data.narrow(0, offset, part.shape[0]).copy_(
+                part.dequantize(self.weight.dtype)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.weight, self.bias)
@@ -94,6 +134,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 f"shape mismatch for shard {shard_id!r}: {tuple(loaded.shape)}, "
                 f"expected {size * tp_size()} rows"
             )
+        if isinstance(loaded, QuantizedTensor):
+            if loaded.shape[1] != param.shape[1]:
+                raise ValueError(f"shape mismatch for shard {shard_id!r}: {loaded.shape}")
+            if self._load_packed(param, loaded, offset):
+                return
+            loaded = loaded.dequantize(param.dtype)
         loaded = loaded.narrow(0, tp_rank() * size, size)
         _copy(param.data.narrow(0, offset, size), loaded)
 

@@ -11,8 +11,9 @@ and its `linear` attribute is `packed_linear`; nothing else reads packed weights
 `IMPASTO_CPU_PACKED_WEIGHTS=0` turns packing off (benchmarks compare both paths in one run).
 
 `SwappableLinear` is the layers' side of it: the hooks (`device_hooks.py`) that pack a layer's
-weight or point it at the kernels' bf16 GEMM. Invariant: a layer's matmul is swapped at most
-once, away from `plain_linear`; packed layers keep oneDNN.
+weight or point it at the kernels' bf16 GEMM, or, for a packed GGUF weight (`quantized.py`,
+which oneDNN never touches), at the kernels' integer-dot matmul. Invariant: a layer's matmul
+is swapped at most once, away from `plain_linear`; oneDNN-packed layers keep oneDNN.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from impasto.models.layers.device_hooks import FusedOps, LinearFn
+from impasto.models.layers.quantized import PackedWeight, kernel_linear
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -78,7 +80,9 @@ class SwappableLinear:
     def pack_weights(self) -> bool:
         """Pack for oneDNN where the CPU supports it. A tied LM head gets its own packed copy;
         the embedding keeps the plain table it needs for lookups."""
-        if self.linear is not plain_linear or not can_pack(self.weight):
+        if isinstance(self.weight, PackedWeight) or self.linear is not plain_linear:
+            return False
+        if not can_pack(self.weight):
             return False
         self.weight = pack(self.weight)
         self.linear = packed_linear
@@ -88,7 +92,16 @@ class SwappableLinear:
         """The skinny bf16 GEMM for plain bf16 weights: it streams the weights at close to the
         memory bandwidth where PyTorch's bf16 matmul reaches about half of it (and is slower
         still with more rows; docs/benchmarks.md). Packed layers keep oneDNN."""
-        if self.linear is not plain_linear or self.weight.dtype != torch.bfloat16:
+        if isinstance(self.weight, PackedWeight) or self.linear is not plain_linear:
+            return False
+        if self.weight.dtype != torch.bfloat16:
             return False
         self.linear = ops.linear_bf16
+        return True
+
+    def use_packed_kernels(self, ops: FusedOps) -> bool:
+        """The kernels' integer-dot matmul for a packed GGUF weight (any activation dtype)."""
+        if not isinstance(self.weight, PackedWeight):
+            return False
+        self.linear = kernel_linear(ops)
         return True
