@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace impasto_quant {
@@ -284,104 +285,100 @@ template <int NX> struct Q8_0Dot {
   }
 };
 
-// K-quants: one super-block of 256 at a time.
-template <int NX> struct Q4_KDot {
+// K-quants: one super-block of 256 at a time. Per activation row, all integer work is vector:
+// the sub-block scales multiply the dot lanes, and the mins (Q4_K / Q5_K) or the -32 zero
+// point (Q6_K) meet the activations' 16-value sums in one madd.
+
+// The 6-bit scales and mins of a Q4_K / Q5_K super-block's 8 sub-blocks, as bytes: sub-blocks
+// 0-3 keep theirs in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take
+// the low 4 bits from the nibbles of bytes 8-11 and the top 2 from the spare top bits above.
+inline void k4_scales(const uint8_t* s, uint8_t (&sc)[8], uint8_t (&mn)[8]) {
+  uint32_t a, b, c;
+  std::memcpy(&a, s, 4);
+  std::memcpy(&b, s + 4, 4);
+  std::memcpy(&c, s + 8, 4);
+  const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, top2 = 0x30303030u;
+  const uint32_t words[4] = {a & lo6, (c & lo4) | ((a >> 2) & top2), b & lo6, ((c >> 4) & lo4) | ((b >> 2) & top2)};
+  std::memcpy(sc, words, 8);
+  std::memcpy(mn, words + 2, 8);
+}
+
+// mins [8] bytes -> 16 int16: each min twice (it covers two 16-value groups).
+inline __m256i k4_mins16(const uint8_t (&mn)[8]) {
+  const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+}
+
+inline __m256i load_bsums(const ActQ8K& a) { return load32(a.bsums); }
+
+template <int NX, bool kFifthBit> struct QK45Dot {
+  using Blk = std::conditional_t<kFifthBit, BlockQ5_K, BlockQ4_K>;
   static void run(const uint8_t* wrow, const ActQ8K* const* x, int64_t nb, float* out) {
-    const BlockQ4_K* w = reinterpret_cast<const BlockQ4_K*>(wrow);
-    __m256 acc[NX];
-    float off[NX];
-    for (int t = 0; t < NX; ++t) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
+    const Blk* w = reinterpret_cast<const Blk*>(wrow);
+    __m256 acc[NX], accm[NX];
+    for (int t = 0; t < NX; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
-      const BlockQ4_K& blk = w[b];
-      int sc[8], mn[8];
-      for (int j = 0; j < 8; ++j) scale_min_k4(j, blk.scales, sc[j], mn[j]);
+      const Blk& blk = w[b];
+      uint8_t sc[8], mn[8];
+      k4_scales(blk.scales, sc, mn);
+      const __m256i mins = k4_mins16(mn);
       __m256i lo[4], hi[4];
       for (int c = 0; c < 4; ++c) {
         const __m256i q = load32(blk.qs + 32 * c);
-        lo[c] = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F));
+        lo[c] = _mm256_and_si256(q, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if constexpr (kFifthBit) {  // bit 2c of qh[l]: value l of sub-block 2c; bit 2c+1: 2c+1
+          const __m256i qh = load32(blk.qh), one = _mm256_set1_epi8(1);
+          lo[c] = _mm256_or_si256(lo[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+          hi[c] = _mm256_or_si256(hi[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+        }
       }
       const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
       for (int t = 0; t < NX; ++t) {
         const ActQ8K& a = x[t][b];
         __m256i isum = _mm256_setzero_si256();
-        int mins = 0;
         for (int c = 0; c < 4; ++c) {
           isum = _mm256_add_epi32(isum, dot_lanes_scaled(lo[c], load32(a.q + 64 * c), sc[2 * c], sc[2 * c]));
           isum = _mm256_add_epi32(isum, dot_lanes_scaled(hi[c], load32(a.q + 64 * c + 32), sc[2 * c + 1], sc[2 * c + 1]));
         }
-        for (int j = 0; j < 8; ++j) mins += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
+        const __m256i msum = _mm256_madd_epi16(load_bsums(a), mins);  // min_j * sum(x of j)
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * a.d), acc[t]);
-        off[t] += dmin * a.d * static_cast<float>(mins);
+        accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * a.d), accm[t]);
       }
     }
-    for (int t = 0; t < NX; ++t) out[t] = hsum(acc[t]) - off[t];
+    for (int t = 0; t < NX; ++t) out[t] = hsum(acc[t]) - hsum(accm[t]);
   }
 };
-template <int NX> struct Q5_KDot {
-  static void run(const uint8_t* wrow, const ActQ8K* const* x, int64_t nb, float* out) {
-    const BlockQ5_K* w = reinterpret_cast<const BlockQ5_K*>(wrow);
-    __m256 acc[NX];
-    float off[NX];
-    for (int t = 0; t < NX; ++t) acc[t] = _mm256_setzero_ps(), off[t] = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const BlockQ5_K& blk = w[b];
-      int sc[8], mn[8];
-      for (int j = 0; j < 8; ++j) scale_min_k4(j, blk.scales, sc[j], mn[j]);
-      const __m256i qh = load32(blk.qh);
-      const __m256i one = _mm256_set1_epi8(1);
-      __m256i lo[4], hi[4];
-      for (int c = 0; c < 4; ++c) {  // bit 2c of qh[l]: value l of sub-block 2c; bit 2c+1: 2c+1
-        const __m256i q = load32(blk.qs + 32 * c);
-        const __m256i hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4);
-        const __m256i hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4);
-        lo[c] = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(0x0F)), hl);
-        hi[c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)), hh);
-      }
-      const float d = half_to_float(blk.d), dmin = half_to_float(blk.dmin);
-      for (int t = 0; t < NX; ++t) {
-        const ActQ8K& a = x[t][b];
-        __m256i isum = _mm256_setzero_si256();
-        int mins = 0;
-        for (int c = 0; c < 4; ++c) {
-          isum = _mm256_add_epi32(isum, dot_lanes_scaled(lo[c], load32(a.q + 64 * c), sc[2 * c], sc[2 * c]));
-          isum = _mm256_add_epi32(isum, dot_lanes_scaled(hi[c], load32(a.q + 64 * c + 32), sc[2 * c + 1], sc[2 * c + 1]));
-        }
-        for (int j = 0; j < 8; ++j) mins += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * a.d), acc[t]);
-        off[t] += dmin * a.d * static_cast<float>(mins);
-      }
-    }
-    for (int t = 0; t < NX; ++t) out[t] = hsum(acc[t]) - off[t];
-  }
-};
+template <int NX> using Q4_KDot = QK45Dot<NX, false>;
+template <int NX> using Q5_KDot = QK45Dot<NX, true>;
+
 template <int NX> struct Q6_KDot {
   static void run(const uint8_t* wrow, const ActQ8K* const* x, int64_t nb, float* out) {
     const BlockQ6_K* w = reinterpret_cast<const BlockQ6_K*>(wrow);
     __m256 acc[NX];
     for (int t = 0; t < NX; ++t) acc[t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
       const BlockQ6_K& blk = w[b];
       __m256i q[8];  // values + 32, in order: 32 per vector
       for (int h = 0; h < 2; ++h) {
         const __m256i l0 = load32(blk.ql + 64 * h), l1 = load32(blk.ql + 64 * h + 32);
         const __m256i qh = load32(blk.qh + 32 * h);
-        const __m256i m4 = _mm256_set1_epi8(0x0F);
         q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), two_bits(qh, 0));
         q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), two_bits(qh, 1));
         q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), two_bits(qh, 2));
         q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), two_bits(qh, 3));
       }
       const int8_t* sc = blk.scales;  // one per 16 values
+      // 32 * scale_g as int16, for the zero point: sum over g of 32 * sc_g * sum(x of g)
+      const __m256i sc32 = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))), 5);
       const float d = half_to_float(blk.d);
       for (int t = 0; t < NX; ++t) {
         const ActQ8K& a = x[t][b];
-        __m256i isum = _mm256_setzero_si256();
-        int zero = 0;  // the -32 zero point: 32 * sum over groups of scale * sum(x)
+        __m256i isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(load_bsums(a), sc32));
         for (int v = 0; v < 8; ++v)
           isum = _mm256_add_epi32(isum, dot_lanes_scaled(q[v], load32(a.q + 32 * v), sc[2 * v], sc[2 * v + 1]));
-        for (int g = 0; g < 16; ++g) zero += sc[g] * a.bsums[g];
-        isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * zero, 0, 0, 0, 0, 0, 0, 0));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * a.d), acc[t]);
       }
     }
