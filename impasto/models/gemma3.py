@@ -21,7 +21,7 @@ stack (Gemma norms and GELU are not what that kernel computes).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,10 +86,11 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # HF rounds the float32 factor to the weight dtype, then multiplies (bf16: 25.25, not 25.3)
         x = x * torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype)
-        cos_sin = {t: r.cos_sin(positions, x.dtype) for t, r in self.rotary.items()}
+        rotary = cast(dict[str, RotaryEmbedding], self.rotary)
+        cos_sin = {t: r.cos_sin(positions, x.dtype) for t, r in rotary.items()}  # once per type
         residual = None
         for layer, kind in zip(self.layers, self.layer_types, strict=True):
-            x, residual = layer(x, residual, cos_sin[kind], self.rotary[kind])
+            x, residual = layer(x, residual, cos_sin[kind], rotary[kind])
         return self.norm(x, residual)[0]
 
 

@@ -155,11 +155,9 @@ class LlamaForCausalLM(nn.Module):
     """Implements `impasto.models.interface.CausalLM`."""
 
     is_diffusion = False
-    # The decoder: built as model_class(config, per-layer options); it must expose
+    # The decoder, built as model_class(config, per-layer AttentionOptions); it must expose
     # `embed_tokens` (tied heads share it) and `layers` of modules with a `self_attn`.
-    model_class: ClassVar[Callable[[PretrainedConfig, list[AttentionOptions]], nn.Module]] = (
-        LlamaModel
-    )
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
