@@ -11,8 +11,8 @@ What differs from Llama, all as in transformers' `modeling_gemma3.py`:
   positions and use their own rotary base (10000, no scaling); "full_attention" layers use the
   global base with its scaling (HF `rope_parameters[layer_type]`);
 - `final_logit_softcapping`, when set, caps the logits. `attn_logit_softcapping` is ignored:
-  transformers' Gemma 3 never applies it (neither does llama.cpp), and it is None in every
-  released checkpoint.
+  transformers' Gemma 3 never applies it (neither does llama.cpp, whose converter refuses a
+  Gemma 3 checkpoint that sets it).
 
 Invariants: the residual stream is carried un-added between layers like Llama's (the add is
 fused into the next norm), which changes no value; the decoder never runs as the fused Llama
