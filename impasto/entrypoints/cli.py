@@ -142,6 +142,17 @@ def _chat_prompt(engine, messages: list[dict]) -> dict:
     return {"prompt": text, "prompt_token_ids": ids}
 
 
+def _raw_completion(args: argparse.Namespace, tokenizer) -> bool:
+    """Whether prompts are completed as raw text: asked for (`--raw`), or the model has no chat
+    template (a base model: it completes text, and was never taught a turn format)."""
+    if args.raw:
+        return True
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    print("(this model has no chat template: prompts are completed as raw text)", file=sys.stderr)
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from impasto.sampling_params import SamplingParams
 
@@ -154,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         llm = LLM(_model(args), **_engine_kwargs(args))
         start = time.perf_counter()
-        if args.raw:
+        if _raw_completion(args, llm.get_tokenizer()):
             outputs = llm.generate(prompts, params, use_tqdm=False)
         else:
             convs = [[{"role": "user", "content": p}] for p in prompts]
@@ -167,7 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:  # one prompt: stream it to the terminal
         engine = _make_engine(args)
         conv = [{"role": "user", "content": prompts[0]}]
-        prompt = {"prompt": prompts[0]} if args.raw else _chat_prompt(engine, conv)
+        raw = _raw_completion(args, engine.tokenizer)
+        prompt = {"prompt": prompts[0]} if raw else _chat_prompt(engine, conv)
         print(f"### {prompts[0]}")
         start = time.perf_counter()
         _, total = _stream_text(engine, prompt, params)

@@ -4,7 +4,10 @@ Invariants of what this module yields:
 - names are HF parameter names (`model.layers.N.self_attn.q_proj.weight`, ...);
 - shapes are torch order (GGUF stores `ne`, innermost first, so shapes are reversed);
 - rows of llama q/k projections are back in HF layout (the converter interleaves them per head
-  for its rotary kernel; qwen2/qwen3 are written unpermuted);
+  for its rotary kernel; qwen2/qwen3/gemma3 are written unpermuted);
+- `iter_gguf_weights` yields HF values: where the converter stored something else (gemma3 norm
+  weights with +1 folded in, `converter_shift`), it is undone on the float32 tensor. Raw
+  weights (`iter_gguf_raw`) are as stored;
 - no `lm_head.weight` is yielded for tied checkpoints (`config.tie_word_embeddings` is True);
 - with `packed=True`, 2-D tensors of a type the kernels compute on (`PACKABLE_TYPES`: Q4_0,
   Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are yielded as `QuantizedTensor`s whose blocks are
@@ -29,18 +32,25 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma3TextConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from impasto.loader.gguf_file import GGUFFile
 from impasto.models.layers.quantized import PACKABLE_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
 }
 # Architectures whose converter interleaves q/k rows (rotary pairs (i, i + d/2) -> (2i, 2i + 1)).
 _PERMUTED_QK = frozenset({"llama"})
@@ -57,7 +67,17 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # HF Llama names its pre-MLP norm so
+}
+# Per-architecture differences from _PER_LAYER: Gemma 3 has norms after attention and after
+# the MLP too, so its `ffn_norm` is the pre-MLP norm and the post norms have their own names.
+_PER_LAYER_BY_ARCH: dict[str, dict[str, str]] = {
+    "gemma3": {
+        **_PER_LAYER,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # Tensors that are not parameters: llama3 rope factors are folded into the config instead.
 _NON_PARAMETERS = frozenset({"rope_freqs.weight"})
@@ -96,12 +116,14 @@ def gguf_architecture(reader: GGUFFile) -> str:
     return arch
 
 
-def gguf_name_to_hf(name: str) -> str:
-    """Map a GGUF tensor name to its HF parameter name; unknown names raise ValueError."""
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str:
+    """Map a GGUF tensor name of an `arch` file to its HF parameter name; unknown names raise
+    ValueError."""
     if m := _BLOCK_RE.match(name):
         layer, kind, suffix = m.groups()
-        if kind in _PER_LAYER:
-            return f"model.layers.{layer}.{_PER_LAYER[kind]}.{suffix}"
+        per_layer = _PER_LAYER_BY_ARCH.get(arch, _PER_LAYER)
+        if kind in per_layer:
+            return f"model.layers.{layer}.{per_layer[kind]}.{suffix}"
     elif (m := _TOP_RE.match(name)) and m.group(1) in _TOP_LEVEL:
         return f"{_TOP_LEVEL[m.group(1)]}.{m.group(2)}"
     raise ValueError(f"unknown GGUF tensor name {name!r}: no HF parameter mapping")
@@ -161,8 +183,51 @@ def _rope_parameters(reader: GGUFFile, arch: str, head_dim: int) -> dict[str, An
     return params
 
 
+# llama.cpp's reading of gemma3 files, which carry no key for these: with a sliding window
+# stored, every 6th layer is global and the others local; local layers rotate with base 10000
+# and no scaling; scores are scaled by head_dim ** -0.5, except in the 62-layer 27B, where
+# query_pre_attn_scalar is hidden / heads (168), as in the HF configs.
+_GEMMA3_GLOBAL_EVERY = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_kwargs(reader: GGUFFile, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 fields on top of the common ones (`kwargs`, whose rope is the global one)."""
+    meta = lambda key, default=None: gguf_metadata(reader, f"gemma3.{key}", default)
+    n_layers, head_dim = kwargs["num_hidden_layers"], kwargs["head_dim"]
+    window = int(meta("attention.sliding_window", 0) or 0)  # 0 / absent: every layer global
+    local = window > 0
+    layer_types = [
+        "sliding_attention" if local and (i + 1) % _GEMMA3_GLOBAL_EVERY else "full_attention"
+        for i in range(n_layers)
+    ]
+    # a local base is honoured if a file states one (the converter writes none for gemma3)
+    local_rope = {
+        "rope_type": "default",
+        "rope_theta": float(meta("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+    }
+    if n_layers == _GEMMA3_27B_LAYERS:
+        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    else:
+        scalar = head_dim
+    softcap = meta("final_logit_softcapping")
+    return dict(
+        kwargs,
+        rope_parameters={
+            "full_attention": kwargs["rope_parameters"],
+            "sliding_attention": local_rope,
+        },
+        layer_types=layer_types,
+        sliding_window=window if local else None,
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=float(softcap) if softcap else None,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+
+
 def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
-    """Build the transformers config matching a llama / qwen2 / qwen3 GGUF file."""
+    """Build the transformers config matching a llama / qwen2 / qwen3 / gemma3 GGUF file."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     meta = lambda key, default=None: gguf_metadata(reader, f"{arch}.{key}", default)
@@ -192,10 +257,12 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
         eos_token_id=gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=gguf_metadata(reader, "tokenizer.ggml.padding_token_id"),
     )
-    if arch in ("llama", "qwen3"):  # qwen2 always has q/k/v biases and no config switch
+    if arch in ("llama", "qwen3", "gemma3"):  # qwen2 always has q/k/v biases, no switch
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if arch == "gemma3":
+        kwargs = _gemma3_kwargs(reader, kwargs)
     return cls(**kwargs)
 
 
@@ -233,7 +300,7 @@ def iter_gguf_raw(path: str | os.PathLike[str]) -> Iterator[GGUFWeight]:
     for t in reader.tensors:
         if t.name in _NON_PARAMETERS:
             continue
-        name = gguf_name_to_hf(t.name)
+        name = gguf_name_to_hf(t.name, arch)
         data = np.asarray(t.data)
         proj = name.rsplit(".", 2)[-2]
         if arch in _PERMUTED_QK and proj in heads:
@@ -257,6 +324,19 @@ _FLOAT_TYPES = frozenset(
 )
 
 
+def converter_shift(arch: str, name: str) -> float:
+    """What the converter added to the values of the HF tensor `name` of an `arch` file.
+
+    Gemma's RMSNorm computes x * (1 + w), and llama.cpp's converter stores w' = 1 + w so that
+    its kernel computes x * w'. The shift is subtracted from the dequantized float32 tensor,
+    before any cast: exactly for every w' >= 0.5 (all but strongly negative w), so the model's
+    1 + (w' - 1) is w' itself, the value llama.cpp multiplies by. (Never a packed matrix.)
+    """
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return 1.0
+    return 0.0
+
+
 def packed_tensor(weight: GGUFWeight) -> QuantizedTensor:
     """The stored blocks as a uint8 tensor sharing the file mapping (never written)."""
     with warnings.catch_warnings():  # the mapping is read-only; nothing writes packed blocks
@@ -269,16 +349,21 @@ def packed_tensor(weight: GGUFWeight) -> QuantizedTensor:
 def iter_gguf_weights(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, packed: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """(HF name, tensor) pairs for every parameter in the GGUF file: dequantized to `dtype`,
-    or, with `packed`, `QuantizedTensor`s for the matrices the kernels compute on."""
+    """(HF name, tensor) pairs for every parameter in the GGUF file, HF values: dequantized to
+    `dtype`, or, with `packed`, `QuantizedTensor`s for the matrices the kernels compute on."""
+    arch = gguf_architecture(open_gguf(path))
     dequantized: dict[str, list[str]] = {}
     for weight in iter_gguf_raw(path):
-        if packed and weight.qtype in PACKABLE_TYPES and len(weight.shape) == 2:
+        shift = converter_shift(arch, weight.name)
+        if packed and not shift and weight.qtype in PACKABLE_TYPES and len(weight.shape) == 2:
             yield weight.name, packed_tensor(weight)
             continue
         if packed and weight.qtype not in _FLOAT_TYPES:
             dequantized.setdefault(weight.qtype.name, []).append(weight.name)
-        yield weight.name, dequantize_weight(weight, dtype)
+        if shift:  # in float32, then cast (see converter_shift)
+            yield weight.name, dequantize_weight(weight).sub_(shift).to(dtype)
+        else:
+            yield weight.name, dequantize_weight(weight, dtype)
     for qtype, names in dequantized.items():
         logger.warning(
             "%d tensors of type %s dequantized to %s at load (no packed kernel for the type): %s",

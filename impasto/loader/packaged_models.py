@@ -95,7 +95,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             ),
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            description="Gemma-3-270m, Q4_K_M (Gemma 3)",
+            description="Gemma-3-270m (pretrained, no chat template), Q4_K_M (Gemma 3)",
             terms=_GEMMA_TERMS,
         ),
     )

@@ -3,6 +3,10 @@
 GGUF byte-level BPE vocabularies (the `gpt2` tokenizer model with a known pre-tokenizer) are
 rebuilt directly as a `tokenizers.Tokenizer`; other GGUF tokenizers go through transformers'
 own GGUF conversion. Everything is local: nothing is fetched from a model hub.
+
+Stop tokens are the EOS, end-of-turn and end-of-message ids; a GGUF file whose metadata names
+no end-of-turn id still stops on the tokens llama.cpp recognises as such by their text
+(`_END_OF_TURN_TEXTS`: Gemma's `<end_of_turn>`, which is not its EOS).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ _PRE_TYPES: dict[str, tuple[str | None, bool, bool, bool]] = {
 }
 _CONTROL, _USER_DEFINED = 3, 4  # GGUF token types that become added tokens
 _ID_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
+
+# Token texts that end a turn when the metadata names no `eot_token_id` (Gemma's end of turn is
+# not its EOS); llama.cpp recognises them by their text too.
+_END_OF_TURN_TEXTS = frozenset({"<end_of_turn>"})
 
 
 def is_gguf_file(path: str | os.PathLike[str]) -> bool:
@@ -155,6 +163,9 @@ def get_stop_token_ids(model_path: str | os.PathLike[str]) -> list[int]:
         reader = open_gguf(path)
         for key in ("eos", "eot", "eom"):
             ids += _as_ids(gguf_metadata(reader, f"tokenizer.ggml.{key}_token_id"))
+        if gguf_metadata(reader, "tokenizer.ggml.eot_token_id") is None:
+            tokens = gguf_metadata(reader, "tokenizer.ggml.tokens", [])
+            ids += [i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS]
     elif path.is_dir():
         for name in ("generation_config.json", "config.json"):
             file = path / name

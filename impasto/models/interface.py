@@ -1,7 +1,7 @@
 """The interfaces model classes implement, as the runners rely on them.
 
 Every class in the registry (`registry.py`) implements one of two protocols: `CausalLM`
-(autoregressive: Llama, Mistral, Qwen2, Qwen3) or `DiffusionLM` (DiffusionGemma), which
+(autoregressive: Llama, Mistral, Qwen2, Qwen3, Gemma 3) or `DiffusionLM` (DiffusionGemma), which
 extends it. `tests/models/test_interface.py` checks each registered class against its own.
 
 Common contract:

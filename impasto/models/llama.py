@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it, Gemma 3 reuses
+its attention and causal-LM wrapper around its own decoder layers (`gemma3.py`).
 
 Implements `impasto.models.interface.CausalLM`. On bf16 CPU models with the kernels, the
 decoder layers may run as one native call on short-query steps (`llama_stack.py`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,12 +17,12 @@ from transformers import PretrainedConfig
 
 from impasto.models.layers import (
     Attention,
+    GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SwiGLUMLP,
     VocabParallelEmbedding,
     rope_parameters,
 )
@@ -39,8 +41,10 @@ class AttentionOptions:
 
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before rotary
+    gemma_norms: bool = False  # q/k norms are Gemma's x * (1 + w) (weights stored zero-centred)
     sliding_window: int | None = None
+    scale: float | None = None  # attention score scale; None: head_dim ** -0.5
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -58,10 +62,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(hq * d, config.hidden_size, bias=opts.o_bias)
         self.qk_norm = opts.qk_norm
         if opts.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, gemma=opts.gemma_norms)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, gemma=opts.gemma_norms)
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, d, layer_idx, sliding_window=opts.sliding_window
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            layer_idx,
+            scale=opts.scale,
+            sliding_window=opts.sliding_window,
         )
 
     def forward(
@@ -85,7 +94,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, opts: AttentionOptions) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, opts)
-        self.mlp = SwiGLUMLP(
+        self.mlp = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             bias=getattr(config, "mlp_bias", False),
@@ -146,13 +155,16 @@ class LlamaForCausalLM(nn.Module):
     """Implements `impasto.models.interface.CausalLM`."""
 
     is_diffusion = False
+    # The decoder, built as model_class(config, per-layer AttentionOptions); it must expose
+    # `embed_tokens` (tied heads share it) and `layers` of modules with a `self_attn`.
+    model_class: ClassVar[type[nn.Module]] = LlamaModel
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.vocab_size: int = config.vocab_size
         opts = [self.attention_options(config, i) for i in range(config.num_hidden_layers)]
-        self.model = LlamaModel(config, opts)
+        self.model = self.model_class(config, opts)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         tie = self.model.embed_tokens if self.tied else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=tie)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from impasto import kernels
 from impasto.attention.torch_backend import SHORT_QUERY_MAX, TorchAttentionBackend
-from impasto.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from impasto.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from impasto.worker.device_prep import install_kernels
 from tests.models.test_attention_backend import dense_reference, setup
 
@@ -70,7 +70,7 @@ def test_silu_and_mul(dtype, rows):
 
 
 def test_mlp_uses_the_kernel_for_decode_sized_inputs_only(monkeypatch):
-    mlp = SwiGLUMLP(32, 48).to(torch.bfloat16)
+    mlp = GatedMLP(32, 48).to(torch.bfloat16)
     assert mlp.fused_ops is None  # installed per model, never by default
     calls = []
     mlp.use_kernels(

@@ -116,13 +116,29 @@ _TO_GGUF = {
 }
 
 
-def hf_to_gguf_name(name: str) -> str:
+# Gemma 3's four norms per layer: its pre-MLP norm is `ffn_norm`, like Llama's second norm.
+_TO_GGUF_BY_ARCH = {
+    "gemma3": {
+        **_TO_GGUF,
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+
+
+def hf_to_gguf_name(name: str, arch: str = "llama") -> str:
     module, suffix = name.rsplit(".", 1)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     if module in top:
         return f"{top[module]}.{suffix}"
     _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+    return f"blk.{layer}.{_TO_GGUF_BY_ARCH.get(arch, _TO_GGUF)[rest]}.{suffix}"
+
+
+def converter_shift(arch: str, name: str) -> float:
+    """What llama.cpp's converter adds to a tensor: 1 to Gemma's zero-centred norm weights."""
+    return 1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0
 
 
 def write_gguf(
@@ -147,7 +163,13 @@ def write_gguf(
     w.add_key_length(config.head_dim)
     w.add_value_length(config.head_dim)
     w.add_rope_dimension_count(config.head_dim)
-    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if arch == "gemma3":  # the global layers' base; the local one (10000) is implied
+        w.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            w.add_final_logit_softcapping(config.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_vocab_size(config.vocab_size)
     w.add_bos_token_id(1)
@@ -160,8 +182,10 @@ def write_gguf(
         if tied and name == "lm_head.weight":
             continue
         qtype = (qtypes or {}).get(name, Q.F32)
-        array = tensor.detach().float().numpy()
+        shift = converter_shift(arch, name)
+        array = tensor.detach().float().numpy() + np.float32(shift)  # float32, as converted
         data, expected[name] = encode(array, qtype)
+        expected[name] = expected[name] - np.float32(shift)  # what a reader must undo
         proj = name.split(".")[-2]
         if arch == "llama" and proj in ("q_proj", "k_proj"):
             heads = config.num_attention_heads if proj == "q_proj" else config.num_key_value_heads
@@ -169,7 +193,7 @@ def write_gguf(
             # (HF order) values stay those of the unpermuted tensor
             data, _ = encode(permute_qk_like_converter(array, heads), qtype)
         raw_dtype = qtype if data.dtype == np.uint8 else None
-        w.add_tensor(hf_to_gguf_name(name), data, raw_dtype=raw_dtype)
+        w.add_tensor(hf_to_gguf_name(name, arch), data, raw_dtype=raw_dtype)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()

@@ -121,6 +121,27 @@ def test_stop_and_eos_ids(tmp_path: Path) -> None:
     assert get_stop_token_ids(tmp_path / "missing") == []
 
 
+def test_end_of_turn_found_by_its_text(tmp_path: Path) -> None:
+    """Gemma files name only their EOS; `<end_of_turn>` still ends a turn (as in llama.cpp),
+    unless the metadata names an end-of-turn id itself."""
+
+    def write(path: Path, **kv: object) -> Path:
+        w = gguf.GGUFWriter(str(path), "gemma3")
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "a"])
+        w.add_eos_token_id(1)
+        for key, value in kv.items():
+            getattr(w, f"add_{key}")(value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    assert get_stop_token_ids(write(tmp_path / "a.gguf")) == [1, 4]
+    assert get_stop_token_ids(write(tmp_path / "b.gguf", eot_token_id=5)) == [1, 5]
+
+
 def test_hf_folder(tmp_path: Path) -> None:
     write_tokenizer_gguf(tmp_path / "t.gguf", "qwen2", chat_template=CHATML)
     gguf_tok = load_tokenizer(tmp_path / "t.gguf")

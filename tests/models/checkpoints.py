@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -19,6 +20,7 @@ CONFIGS = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "gemma3": Gemma3TextConfig,
 }
 
 TINY: dict[str, Any] = dict(

@@ -20,6 +20,7 @@ def tiny_config(architecture: str) -> Any:
         "MistralForCausalLM": "mistral",
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
+        "Gemma3ForCausalLM": "gemma3",
     }
     if architecture == "DiffusionGemmaForBlockDiffusion":
         return make_config()

@@ -54,3 +54,16 @@ def test_generate_streams(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "### Say hi." in proc.stdout and "1 prompts" in proc.stdout
+
+
+def test_generate_completes_raw_text_without_a_chat_template(capsys):
+    from impasto.entrypoints.cli import _raw_completion
+
+    class Tok:
+        chat_template = None
+
+    assert _raw_completion(argparse.Namespace(raw=False), Tok())
+    assert "no chat template" in capsys.readouterr().err
+    Tok.chat_template = "{{ messages }}"
+    assert not _raw_completion(argparse.Namespace(raw=False), Tok())
+    assert _raw_completion(argparse.Namespace(raw=True), Tok())

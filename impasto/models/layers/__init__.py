@@ -9,13 +9,14 @@ from impasto.models.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from impasto.models.layers.mlp import SwiGLUMLP
+from impasto.models.layers.mlp import GatedMLP
 from impasto.models.layers.norm import RMSNorm
 from impasto.models.layers.rotary import RotaryEmbedding, rope_parameters
 
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "GatedMLP",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -23,7 +24,6 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "SwiGLUMLP",
     "VocabParallelEmbedding",
     "rope_parameters",
 ]

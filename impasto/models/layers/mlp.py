@@ -1,6 +1,13 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate/up fused in one matmul."""
+"""Gated feed-forward: down(act(gate(x)) * up(x)), with gate/up fused in one matmul.
+
+`act` is SiLU (SwiGLU: Llama, Qwen) or tanh-approximated GELU (GeGLU: Gemma), by the names
+HF configs use for them. Only SiLU has a fused kernel; a GELU MLP declines `use_kernels` and
+stays eager, computing exactly what HF's `GELUTanh` does (`F.gelu(approximate="tanh")`).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,17 +23,34 @@ from impasto.models.layers.parallel import divide, tp_size
 FUSED_SILU_MAX_ROWS = 64
 
 
-class SwiGLUMLP(nn.Module):
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# HF activation name -> (function, whether the fused SiLU kernel computes it)
+_ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "silu": (F.silu, True),
+    "swish": (F.silu, True),
+    "gelu_pytorch_tanh": (_gelu_tanh, False),
+    "gelu_tanh": (_gelu_tanh, False),
+}
+
+
+class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: str = "silu"):
         super().__init__()
-        if act not in ("silu", "swish"):
-            raise NotImplementedError(f"MLP activation {act!r} is not supported (silu)")
+        if act not in _ACTIVATIONS:
+            supported = ", ".join(sorted(_ACTIVATIONS))
+            raise NotImplementedError(f"MLP activation {act!r} is not supported ({supported})")
+        self.act, self.silu = _ACTIVATIONS[act]
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.local = divide(intermediate, tp_size())
         self.fused_ops: FusedOps | None = None  # `use_kernels`: SiLU * up in one kernel
 
     def use_kernels(self, ops: FusedOps) -> bool:
+        if not self.silu:
+            return False  # the only fused activation is SiLU
         self.fused_ops = ops
         return True
 
@@ -35,4 +59,4 @@ class SwiGLUMLP(nn.Module):
         if self.fused_ops is not None and gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
             return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.local], gate_up[:, self.local :]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
