@@ -72,5 +72,10 @@ class AttentionBackend(ABC, Generic[PlanT]):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        reproducible: bool = False,
     ) -> torch.Tensor:  # [T, Hq * D]
-        """Write k/v into `kv_cache` at `metadata.slot_mapping` (slots >= 0) and attend."""
+        """Write k/v into `kv_cache` at `metadata.slot_mapping` (slots >= 0) and attend.
+
+        `reproducible`: where the backend can, compute each query row independently of the
+        step's other rows, of how the step is chunked and of whether its keys came from the
+        prefix cache (bit for bit); a backend that cannot may ignore it."""

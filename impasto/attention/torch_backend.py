@@ -8,7 +8,12 @@ Per layer: write the step's k/v into the paged cache, then
 - other requests: one SDPA each over the cached prefix and the new keys.
 
 Steps where every request is a short, cache-writing query go to the fused CPU kernel instead
-(one call per layer for the cache write and attention) when the plan says it takes them.
+(one call per layer for the cache write and attention) when the plan says it takes them. A
+layer asking for reproducible attention (packed GGUF models) gets the fused kernel for every
+step whose keys are all written, whatever the query lengths: its rows do not depend on the
+batch, on chunking or on prefix caching (see the kernel), which the SDPA paths do not promise
+(their blocking follows the padded batch), and 8-bit activations downstream would turn such
+last-bit differences into different tokens.
 
 Invariant: the cache is written *before* it is read, so for requests whose slots are all
 written the gathered context already holds this step's keys (bit-identical to `k`/`v` when the
@@ -67,7 +72,7 @@ class TorchAttentionBackend(AttentionBackend[Plan]):
 
     def build_plan(self, metadata: AttentionMetadata) -> Plan:
         plan = build_plan(metadata)
-        if plan.all_short and self.short_path == "auto":
+        if plan.causal_t is not None and self.short_path == "auto":
             plan.fused_ops = kernels.ops()  # None when the kernels are not loaded
         return plan
 
@@ -83,8 +88,12 @@ class TorchAttentionBackend(AttentionBackend[Plan]):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        reproducible: bool = False,
     ) -> torch.Tensor:
-        causal = plan.fused_short_queries(kv_cache, q.dtype)
+        if reproducible:
+            causal = plan.fused_reproducible(kv_cache, q.dtype)
+        else:
+            causal = plan.fused_short_queries(kv_cache, q.dtype)
         if causal is not None:  # one fused call: cache write + attention for every request
             return plan.fused_ops.paged_attention(
                 q, k, v, kv_cache, metadata.slot_mapping, metadata.block_table,

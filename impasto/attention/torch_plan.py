@@ -155,12 +155,14 @@ class Plan(AttentionPlan):
     build_groups: Callable[[], list[Group]]
     longs: list[Long]
     # Every request is a short query whose keys are all written (decode / verification steps):
-    # the fused kernel can take the whole step. causal_t: [B] bool, set only then.
+    # the fused kernel can take the whole step.
     all_short: bool = False
+    # causal_t: [B] bool, set when every request's keys are all written (the fused kernel can
+    # take the step: always when short, and for reproducible attention whatever the lengths).
     causal_t: torch.Tensor | None = None
     # The kernel ops, set by the backend when the fused paged attention may take this step
-    # (all_short, its short path "auto", the kernels loaded); the cache's dtype and device
-    # are checked per layer (`fused_short_queries`).
+    # (all keys written, its short path "auto", the kernels loaded); the cache's dtype and
+    # device are checked per layer (`fused_short_queries`, `fused_reproducible`).
     fused_ops: Any = None
     workspace: dict = field(default_factory=dict)
     _groups: list[Group] | None = None
@@ -169,9 +171,19 @@ class Plan(AttentionPlan):
         self, kv_cache: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor | None:
         """See AttentionPlan: a bf16 CPU cache and queries of the cache's dtype."""
-        if self.fused_ops is None or kv_cache.dtype != torch.bfloat16:
+        if not self.all_short or self.fused_ops is None or kv_cache.dtype != torch.bfloat16:
             return None
         if kv_cache.device.type != "cpu" or dtype != kv_cache.dtype:
+            return None
+        return self.causal_t
+
+    def fused_reproducible(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [B] causal flags if the fused kernel can take this whole step for a layer that
+        wants reproducible attention (every key written, a bf16 or float32 CPU cache of the
+        queries' dtype), else None."""
+        if self.fused_ops is None or self.causal_t is None or dtype != kv_cache.dtype:
+            return None
+        if kv_cache.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
             return None
         return self.causal_t
 
@@ -213,7 +225,8 @@ def build_plan(meta: AttentionMetadata) -> Plan:
         return [_build_group(meta, part, starts, dev, bs) for part in _split_short(meta, short)]
 
     all_short = len(short) == meta.num_reqs > 0
-    causal_t = torch.tensor(meta.causal, device=dev) if all_short else None
+    all_written = meta.num_reqs > 0 and all(written)
+    causal_t = torch.tensor(meta.causal, device=dev) if all_written else None
     return Plan(write_slots, write_rows, build_groups, longs, all_short, causal_t)
 
 

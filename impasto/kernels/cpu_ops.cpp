@@ -233,8 +233,15 @@ void rotary_(at::Tensor x, const at::Tensor& table) {
 // ---------------------------------------------------------------- paged attention
 // Writes the step's k/v at slot_mapping, then attends every request's queries over its cached
 // keys 0..seq_len-1 (which now include this step's). One work item = (request, KV head): the
-// G query heads sharing a KV head, for all of the request's query tokens, read each cached
+// G query heads sharing a KV head, for a tile of the request's query tokens, read each cached
 // key/value row once. Scores are kept for the whole context (two passes: exact softmax).
+//
+// Each query row's result depends only on its own scores, taken in key order: keys outside its
+// range get probability exactly 0 (adding 0 and skipping p == 0 change no sum), so the bits of
+// a row are the same whatever other rows share its tile, its step or its batch, and whether its
+// keys were cached by an earlier step (prefix caching, chunked prefill) or written by this one.
+constexpr int64_t kQueryTile = 64;  // query tokens per work item's pass
+
 struct AttnArgs {
   int64_t hq, hkv, d, bs, window;
   double scale, softcap;
@@ -250,8 +257,11 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
     std::vector<float> qf, sc, acc, denom, kv(d);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t b = item / a.hkv, h = item % a.hkv;
-      const int64_t start = qsl[b], qlen = qsl[b + 1] - start, len = seq[b], ctx = len - qlen;
-      if (qlen <= 0) continue;
+      const int64_t req_start = qsl[b], req_qlen = qsl[b + 1] - req_start, len = seq[b];
+      // Query tiles bound the scores buffer (tile * G * len floats) for long prompts.
+      for (int64_t tile = 0; tile < req_qlen; tile += kQueryTile) {
+      const int64_t start = req_start + tile, qlen = std::min(kQueryTile, req_qlen - tile);
+      const int64_t ctx = len - req_qlen + tile;  // position of the tile's first query
       const int64_t nrows = qlen * g;  // row r = i * G + j: query token i, head h*G + j
       qf.resize(nrows * d);
       sc.resize(nrows * len);
@@ -325,6 +335,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
           T* dst = out + (start + i) * a.hq * d + (h * g + j) * d;
           for (int64_t e = 0; e < d; ++e) dst[e] = from_f<T>(acc[r * d + e] * inv);
         }
+      }  // query tiles
     }
   });
 }

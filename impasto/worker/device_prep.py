@@ -16,7 +16,12 @@ from typing import TypeVar
 from torch import nn
 
 from impasto import kernels
-from impasto.models.layers.device_hooks import PacksWeights, UsesKernels, UsesPackedKernels
+from impasto.models.layers.device_hooks import (
+    PacksWeights,
+    Reproducible,
+    UsesKernels,
+    UsesPackedKernels,
+)
 from impasto.models.layers.quantized import PackedWeight
 
 
@@ -48,6 +53,8 @@ def install_kernels(model: nn.Module) -> int:
     count = sum(m.use_packed_kernels(ops) for m in modules if isinstance(m, UsesPackedKernels))
     if dense:
         count += sum(m.use_kernels(ops) for m in modules if isinstance(m, UsesKernels))
+    if packed:  # 8-bit activations turn last-bit differences into visible ones: see Reproducible
+        count += sum(m.make_reproducible() for m in modules if isinstance(m, Reproducible))
     return count
 
 

@@ -120,18 +120,44 @@ def test_matrices_load_packed_without_a_dense_copy(packed_gguf):
 
 @pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for the CPU kernels")
 def test_outputs_unchanged_by_caching_chunking_preemption_and_batching(packed_gguf):
-    # float32 activations, as in the dense equivalence tests: in bf16 the prefill and decode
-    # attention kernels round differently, packed weights or not
+    # bf16 too: packed models ask for reproducible attention and SiLU (Reproducible hooks),
+    # which bf16 dense models do not get (their prefill and decode attention round differently)
     ps = prompts()
-    expected = generate(make_llm(packed_gguf, enable_prefix_caching=False), ps)
-    for name, kwargs in CONFIGS.items():
-        llm = make_llm(packed_gguf, **kwargs)
-        assert generate(llm, ps) == expected, name
-        metrics = {m.name: m.value for m in llm.get_metrics()}
-        if name == "preemption":
-            assert metrics["impasto:num_preemptions"] > 0
-    alone = [generate(make_llm(packed_gguf), [p])[0] for p in ps[:3]]
-    assert alone == expected[:3], "batch composition"
+    for dtype in ("float32", "bfloat16"):
+        expected = generate(make_llm(packed_gguf, dtype=dtype, enable_prefix_caching=False), ps)
+        for name, kwargs in CONFIGS.items():
+            llm = make_llm(packed_gguf, dtype=dtype, **kwargs)
+            assert generate(llm, ps) == expected, f"{dtype}/{name}"
+            metrics = {m.name: m.value for m in llm.get_metrics()}
+            if name == "preemption":
+                assert metrics["impasto:num_preemptions"] > 0
+        alone = [generate(make_llm(packed_gguf, dtype=dtype), [p])[0] for p in ps]
+        assert alone == expected, f"{dtype}: batch composition"
+
+
+@pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for the CPU kernels")
+def test_long_prompts_identical_in_one_pass_in_chunks_and_from_the_cache(packed_gguf):
+    """Prompts longer than the attention kernel's 64-query tiles: the same logprobs, bit for
+    bit, prefilled in one pass, in chunks of 7 and 50 tokens, batched, and re-run on a full
+    prefix-cache hit."""
+    rng = random.Random(3)
+    long = [[rng.randrange(160) for _ in range(n)] for n in (150, 97)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(llm: LLM, ps: list[list[int]]) -> list[list[tuple[int, float]]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        return [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids,
+                                                       o.outputs[0].logprobs, strict=True)]
+                for o in outs]  # fmt: skip
+
+    for dtype in ("float32", "bfloat16"):
+        one = [run(make_llm(packed_gguf, dtype=dtype, enable_chunked_prefill=False,
+                            enable_prefix_caching=False, max_num_seqs=1), [p])[0]
+               for p in long]  # fmt: skip
+        for chunk in (7, 50):
+            llm = make_llm(packed_gguf, dtype=dtype, max_num_batched_tokens=chunk)
+            assert run(llm, long) == one, f"{dtype}: chunks of {chunk}"
+            assert run(llm, long) == one, f"{dtype}: prefix-cache hit"
 
 
 @pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for the CPU kernels")

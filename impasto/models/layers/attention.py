@@ -35,6 +35,16 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        # Set by device preparation for models whose results must not depend on the batch
+        # bit for bit (packed GGUF weights: see `make_reproducible`).
+        self.reproducible = False
+
+    def make_reproducible(self) -> bool:
+        """Ask the backend for batch-, chunk- and cache-invariant attention. Packed GGUF
+        layers quantize their inputs to 8 bits, so a last-bit difference upstream can move a
+        value across a rounding boundary and change the output visibly."""
+        self.reproducible = True
+        return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq(*D)], k/v [T, Hkv(*D)] (views allowed) -> [T, Hq*D]."""
@@ -50,6 +60,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
+            reproducible=self.reproducible,
         )
 
     def extra_repr(self) -> str:

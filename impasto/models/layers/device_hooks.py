@@ -10,7 +10,9 @@ by implementing them:
   children before parents, so a module spanning several layers (a decoder stack) sees its
   layers already switched. bf16 models only;
 - `UsesPackedKernels.use_packed_kernels(ops)`: a layer holding packed GGUF weights computes
-  with the kernels' packed matmul / lookup, for any activation dtype; runs before `use_kernels`.
+  with the kernels' packed matmul / lookup, for any activation dtype; runs before `use_kernels`;
+- `Reproducible.make_reproducible()`: for a model with packed weights, every layer computes
+  each row independently of the rest of its step (attention, the fused SiLU's row limit).
 
 Invariant: with no hook called, every layer runs its eager PyTorch path; the hooks never
 change what a layer computes beyond the kernels' documented rounding (`impasto.kernels`).
@@ -133,6 +135,15 @@ class UsesKernels(Protocol):
 class UsesPackedKernels(Protocol):
     def use_packed_kernels(self, ops: FusedOps) -> bool:
         """Compute with `ops` on this module's packed GGUF weight; True if it has one."""
+        ...
+
+
+@runtime_checkable
+class Reproducible(Protocol):
+    def make_reproducible(self) -> bool:
+        """Compute so that no row's result depends on the rest of its step (the batch, the
+        chunking of prompts, prefix-cache hits), bit for bit; True if this changed anything.
+        Device preparation asks it of models with packed GGUF weights."""
         ...
 
 

@@ -47,6 +47,13 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.local = divide(intermediate, tp_size())
         self.fused_ops: FusedOps | None = None  # `use_kernels`: SiLU * up in one kernel
+        # Steps above this many rows compute SiLU eagerly (faster there); `make_reproducible`
+        # lifts the limit, so that no row's bits depend on the size of its step.
+        self.fused_max_rows: int | None = FUSED_SILU_MAX_ROWS
+
+    def make_reproducible(self) -> bool:
+        self.fused_max_rows = None
+        return True
 
     def use_kernels(self, ops: FusedOps) -> bool:
         if not self.silu:
@@ -56,7 +63,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I_local]
-        if self.fused_ops is not None and gate_up.shape[0] <= FUSED_SILU_MAX_ROWS:
+        limit = self.fused_max_rows
+        if self.fused_ops is not None and (limit is None or gate_up.shape[0] <= limit):
             return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.local], gate_up[:, self.local :]
         return self.down_proj(self.act(gate) * up)
