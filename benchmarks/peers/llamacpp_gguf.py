@@ -12,7 +12,8 @@ virtualenv that has llama-cpp-python; imports nothing of impasto. The spec is JS
   next token and the top-`k` ids / logprobs.
 - bench: `workloads` {name: {"prompts": [[ids]], "new_tokens": n}}; each runs greedy (EOS
   ignored) through the low-level batch API, all prompts as parallel sequences of one context
-  (one `llama_decode` per step), `repeats` times after a warm-up.
+  (one `llama_decode` per step), `repeats` times after a warm-up, plus up to `max_retries`
+  reruns of runs whose CPU/wall fell below `retry_below` (a shared machine).
 - spec: greedy draft-model speculative decoding (`draft` model, `k` drafted tokens per step,
   verified by the target in one batch; rejected KV cells removed), and the target alone.
 """
@@ -186,19 +187,26 @@ def run_bench(spec: dict) -> dict:
     results = {}
     for name, w in workloads.items():
         eng.greedy(w["prompts"], 2)  # warm-up: the same shapes, 2 tokens
-        runs = []
-        for _ in range(spec.get("repeats", 1)):
+        runs: list[dict] = []
+        retries = 0
+        while len(runs) - retries < spec.get("repeats", 1):
             t0, c0 = time.perf_counter(), _cpu()
             outs, t_prefill = eng.greedy(w["prompts"], w["new_tokens"])
+            wall = time.perf_counter() - t0
             runs.append(
                 {
-                    "wall_s": time.perf_counter() - t0,
+                    "wall_s": wall,
                     "cpu_s": _cpu() - c0,
                     "prefill_s": t_prefill,
                     "tokens": sum(map(len, outs)),
                 }
             )
-        results[name] = {"runs": runs, "outputs": outs}
+            # Its OpenMP threads spin: CPU/wall well below the thread count means another
+            # process held our cores (a run then slows several-fold); run again, keep the best.
+            if runs[-1]["cpu_s"] < spec.get("retry_below", 0.0) * wall:
+                if retries < spec.get("max_retries", 0):
+                    retries += 1
+        results[name] = {"runs": runs, "outputs": outs, "retries": retries}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"load_s": load_s, "n_ctx": eng.n_ctx, "workloads": results, "peak_rss": peak}
 
