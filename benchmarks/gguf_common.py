@@ -55,10 +55,10 @@ def gguf_info(path: Path) -> dict[str, Any]:
     """What the file says: architecture, BOS, layer shapes, and the bytes of weights that one
     decoded token reads (every tensor except a token embedding that is only gathered: when
     the file has a separate `output.weight`, `token_embd.weight` is not streamed)."""
-    from impasto.loader.gguf_loader import gguf_architecture, gguf_metadata, open_gguf
+    from impasto.loader.gguf_loader import gguf_metadata, open_gguf
 
     reader = open_gguf(path)
-    arch = gguf_architecture(reader)
+    arch = str(gguf_metadata(reader, "general.architecture"))  # any, impasto's or not
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     total = sum(sizes.values())
     embd = sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0
