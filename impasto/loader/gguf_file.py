@@ -52,6 +52,11 @@ class GGUFTensor:
     shape: np.ndarray  # ne: innermost dimension first
     data: np.ndarray  # a read-only view of the file (see the module docstring)
 
+    @property
+    def n_bytes(self) -> int:
+        """Bytes of the tensor's data in the file."""
+        return int(self.data.nbytes)
+
 
 class GGUFFile:
     """Parse `path`'s header; `metadata` maps keys to Python values, `tensors` in file order."""
