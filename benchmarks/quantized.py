@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--spec-draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--spec-k", type=int, default=4)
-    ap.add_argument("--spec-prompts", type=int, default=4)
+    ap.add_argument("--spec-prompts", type=int, default=2)
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--no-bandwidth", action="store_true")
     ap.add_argument(
