@@ -232,25 +232,29 @@ def _spec_counters(llm: Any) -> tuple[float, float, float]:
 
 
 def bandwidth(spec: dict[str, Any]) -> dict[str, Any]:
-    """Read bandwidth: `sum` over a buffer far larger than the last-level cache, all threads."""
+    """Read bandwidth: `sum` over a buffer far larger than the last-level cache, with one
+    thread and with all of them (on a shared machine either can be the higher); the best of
+    both is the machine's figure."""
     import torch
 
-    torch.set_num_threads(spec["threads"])
     x = torch.ones(spec["bytes"] // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(spec["reps"]):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    times.sort()
     nbytes = x.numel() * 4
-    return {
-        "best_gbs": nbytes / times[0] / 1e9,
-        "median_gbs": nbytes / times[len(times) // 2] / 1e9,
-        "bytes": nbytes,
-        "threads": spec["threads"],
-    }
+    out: dict[str, Any] = {"bytes": nbytes, "by_threads": {}}
+    for threads in sorted({1, spec["threads"]}):
+        torch.set_num_threads(threads)
+        x.sum()
+        times = []
+        for _ in range(spec["reps"]):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        out["by_threads"][str(threads)] = {
+            "best_gbs": nbytes / times[0] / 1e9,
+            "median_gbs": nbytes / times[len(times) // 2] / 1e9,
+        }
+    out["best_gbs"] = max(v["best_gbs"] for v in out["by_threads"].values())
+    return out
 
 
 CHILDREN = {"impasto": impasto_bench, "impasto-spec": impasto_spec, "bandwidth": bandwidth}
@@ -348,11 +352,11 @@ def print_model(
     row("cpu/wall B16", "bn_cpu_wall", ".2f")
     row("load, s", "load_s", ".2f")
     if bw:
-        print(
-            f"machine read bandwidth: best {bw['best_gbs']:.1f} GB/s, median "
-            f"{bw['median_gbs']:.1f} GB/s ({bw['bytes'] / GiB:.0f} GiB summed, "
-            f"{bw['threads']} threads)"
+        per = ", ".join(
+            f"{t} thread(s): best {v['best_gbs']:.1f} / median {v['median_gbs']:.1f}"
+            for t, v in bw["by_threads"].items()
         )
+        print(f"machine read bandwidth, GB/s (sum over {bw['bytes'] / GiB:.0f} GiB): {per}")
         for e in engines:
             print(
                 f"  {e}: B1 weight bandwidth = "
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--spec-draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--spec-k", type=int, default=4)
-    ap.add_argument("--spec-prompts", type=int, default=4)
+    ap.add_argument("--spec-prompts", type=int, default=2)
     ap.add_argument("--no-spec", action="store_true")
     ap.add_argument("--no-bandwidth", action="store_true")
     ap.add_argument(
