@@ -53,8 +53,13 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 # one library, one op namespace
-SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "diffusion_ops.cpp", _DIR / "quant_ops.cpp")
-HEADERS = (_DIR / "vec_math.h", _DIR / "quant_ops.h")
+SOURCES = (
+    _DIR / "cpu_ops.cpp",
+    _DIR / "diffusion_ops.cpp",
+    _DIR / "quant_ops.cpp",
+    _DIR / "quant_x8.cpp",
+)
+HEADERS = (_DIR / "vec_math.h", _DIR / "quant_ops.h", _DIR / "quant_blocks.h", _DIR / "quant_x8.h")
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change
 _TRIED = False

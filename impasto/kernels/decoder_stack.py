@@ -33,12 +33,13 @@ import torch
 @runtime_checkable
 class PackedSegments(Protocol):
     """A packed GGUF weight as the kernels take it (models' `PackedWeight`): row segments of
-    GGML blocks (uint8 [rows, row_bytes]) and their GGML type ids."""
+    GGML blocks (uint8 [rows, row_bytes], or [rows / 8, group_bytes] interleaved) and their type
+    ids (GGML's, | 256 when interleaved)."""
 
     @property
-    def blocks(self) -> list[torch.Tensor]: ...
+    def kernel_blocks(self) -> list[torch.Tensor]: ...
 
-    qtypes: list[int]
+    kernel_qtypes: list[int]
 
 
 Weight = torch.Tensor | PackedSegments  # a linear layer's weight: dense bf16 or packed
@@ -89,8 +90,8 @@ class DecoderStack:
             for n in LINEAR_FIELDS:
                 value = getattr(layer, n)
                 if isinstance(value, PackedSegments):
-                    self.packed += value.blocks
-                    self.packed_meta += [len(value.qtypes), *value.qtypes]
+                    self.packed += value.kernel_blocks
+                    self.packed_meta += [len(value.kernel_qtypes), *value.kernel_qtypes]
                 else:
                     self.packed_meta.append(0)
 

@@ -14,188 +14,19 @@
 // unchanged from the file). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-element blocks) and
 // Q4_K, Q5_K, Q6_K (256-element super-blocks). Scales are IEEE half floats.
 #include "quant_ops.h"
+#include "quant_blocks.h"
+#include "quant_x8.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#define IMPASTO_AVX2 1
-#endif
-
-#include <algorithm>
-#include <array>
-#include <bit>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace impasto_quant {
 namespace {
 
-// ---------------------------------------------------------------- formats
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-#pragma pack(push, 1)
-struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
-struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
-struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
-struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
-struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
-struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
-struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
-struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
-#pragma pack(pop)
-static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ5_0) == 22);
-static_assert(sizeof(BlockQ5_1) == 24 && sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144);
-static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210);
-
-// Quantized activations. 32-blocks: d * q ~ x, `dsum` = d * (sum of q), for the weights' zero
-// points and mins. K: d * q ~ x over 256 values, bsums[g] = sum of q[16 g .. 16 g + 15].
-struct ActQ8 { float d; float dsum; int8_t q[32]; };
-struct ActQ8K { float d; int16_t bsums[16]; int8_t q[256]; };
-
-#if defined(__F16C__)
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  // one instruction
-#else
-inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-#endif
-
-struct TypeInfo { int64_t elems, bytes; bool k; };
-TypeInfo type_info(int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return {32, sizeof(BlockQ4_0), false};
-    case kQ4_1: return {32, sizeof(BlockQ4_1), false};
-    case kQ5_0: return {32, sizeof(BlockQ5_0), false};
-    case kQ5_1: return {32, sizeof(BlockQ5_1), false};
-    case kQ8_0: return {32, sizeof(BlockQ8_0), false};
-    case kQ4_K: return {256, sizeof(BlockQ4_K), true};
-    case kQ5_K: return {256, sizeof(BlockQ5_K), true};
-    case kQ6_K: return {256, sizeof(BlockQ6_K), true};
-    default: TORCH_CHECK(false, "packed weights: unsupported GGML type ", qtype);
-  }
-}
-
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
-inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// ---------------------------------------------------------------- activation quantization
-// Round to nearest even by adding and subtracting 1.5 * 2^23 (|v| <= 127 here): the same
-// rounding as the vector conversion, and plain arithmetic, so GCC vectorizes the loops.
-inline float round_even(float v) {
-  constexpr float kRound = 12582912.0f;
-  return (v + kRound) - kRound;
-}
-
-inline float abs_max(const float* x, int64_t n) {
-  float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
-  return m;
-}
-
-void quantize_q8(const float* x, int64_t n, ActQ8* out) {
-  for (int64_t b = 0; b < n / 32; ++b) {
-    const float* xb = x + 32 * b;
-    const float amax = abs_max(xb, 32);
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    for (int i = 0; i < 32; ++i) {
-      const int v = static_cast<int>(round_even(xb[i] * id));
-      out[b].q[i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    out[b].d = amax / 127.0f;
-    out[b].dsum = out[b].d * static_cast<float>(sum);
-  }
-}
-
-void quantize_q8k(const float* x, int64_t n, ActQ8K* out) {
-  for (int64_t b = 0; b < n / 256; ++b) {
-    const float* xb = x + 256 * b;
-    const float amax = abs_max(xb, 256);
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < 256; ++i) out[b].q[i] = static_cast<int8_t>(static_cast<int>(round_even(xb[i] * id)));
-    for (int g = 0; g < 16; ++g) {
-      int s = 0;
-      for (int i = 0; i < 16; ++i) s += out[b].q[16 * g + i];
-      out[b].bsums[g] = static_cast<int16_t>(s);
-    }
-    out[b].d = amax / 127.0f;
-  }
-}
-
-// ---------------------------------------------------------------- integer dot products
-#ifdef IMPASTO_AVX2
-// 8 int32 lanes, lane k = sum of u[4k + i] * s[4k + i], i < 4 (u unsigned, s signed bytes).
-// VNNI does it in one instruction; AVX2 in two (maddubs's int16 pair sums cannot saturate:
-// |u| <= 128 and |s| <= 127 in every caller, except Q8_0 where u = |w| <= 128 and the pair sum
-// is at most 2 * 128 * 127 = 32512). Both give the same lanes.
-inline __m256i dot_lanes(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// As dot_lanes, lanes 0-3 (values 0-15) times `a`, lanes 4-7 (values 16-31) times `b`.
-inline __m256i dot_lanes_scaled(__m256i u, __m256i s, int a, int b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
-  return _mm256_mullo_epi32(dot_lanes(u, s), _mm256_set_m128i(_mm_set1_epi32(b), _mm_set1_epi32(a)));
-#else
-  const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(b)), _mm_set1_epi16(static_cast<int16_t>(a)));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale);
-#endif
-}
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// 16 bytes of nibble pairs -> 32 bytes: low nibbles (values 0-15), then high nibbles (16-31).
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-}
-
-// Bit j of a 32-bit word -> byte j = 0x10 (set) or 0 (the fifth bit of Q5 values).
-inline __m256i fifth_bits(const uint8_t* qh) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, 4);
-  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread);
-  const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, sel), sel);
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-// Per 2-bit field k (0..3) of each byte of `v`: ((v >> 2k) & 3) << 4 (Q6_K's high bits).
-inline __m256i two_bits(__m256i v, int k) {
-  const __m256i f = _mm256_and_si256(_mm256_srli_epi16(v, 2 * k), _mm256_set1_epi8(3));
-  return _mm256_slli_epi16(f, 4);
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
-}
-#endif
 
 #ifdef IMPASTO_AVX2
 // Each kernel: one weight row (nb blocks) against NX activation rows; out[t] = the dot product.
@@ -510,21 +341,6 @@ void fill_acts(const at::Tensor& x, bool k, Acts& a) {
   });
 }
 
-// Where results go: y[t * stride + col], plus the bias, rounded once to y's dtype.
-struct Out {
-  float* f32 = nullptr;
-  c10::BFloat16* bf16 = nullptr;
-  const float* bias_f32 = nullptr;
-  const c10::BFloat16* bias_bf16 = nullptr;
-  int64_t stride = 0;
-
-  void store(int64_t t, int64_t col, float v) const {
-    if (bias_f32 != nullptr) v += bias_f32[col];
-    if (bias_bf16 != nullptr) v += static_cast<float>(bias_bf16[col]);
-    if (f32 != nullptr) f32[t * stride + col] = v;
-    else bf16[t * stride + col] = c10::BFloat16(v);
-  }
-};
 
 template <template <int> class Dot, typename Act>
 void run_rows(const uint8_t* w, int64_t row_bytes, int64_t o_lo, int64_t o_hi, const Act* acts, int64_t nb,
@@ -576,14 +392,17 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
   const int64_t rows = x.size(0), n = x.size(1);
   int64_t out_f = 0;
   for (size_t s = 0; s < blocks.size(); ++s) {
-    const TypeInfo ti = type_info(qtypes[s]);
+    const bool x8 = (qtypes[s] & kX8Flag) != 0;
+    const int64_t qt = qtypes[s] & ~kX8Flag;
+    const TypeInfo ti = type_info(qt);
     const at::Tensor& b = blocks[s];
+    TORCH_CHECK(ti.elems > 0 && (!x8 || x8_supported(qt)), "quant_linear: unsupported GGML type ", qtypes[s]);
     TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 2 && b.is_contiguous(),
                 "quant_linear: blocks must be contiguous uint8 [rows, row_bytes]");
-    TORCH_CHECK(n % ti.elems == 0 && b.size(1) == n / ti.elems * ti.bytes,
+    TORCH_CHECK(n % ti.elems == 0 && b.size(1) == (x8 ? x8_group_bytes(qt, n) : n / ti.elems * ti.bytes),
                 "quant_linear: x has ", n, " features, which does not match the packed row of ", b.size(1),
                 " bytes of GGML type ", qtypes[s]);
-    out_f += b.size(0);
+    out_f += x8 ? 8 * b.size(0) : b.size(0);
   }
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == out_f && bias->scalar_type() == x.scalar_type(),
@@ -611,7 +430,9 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
 #endif
   int64_t col0 = 0;
   for (size_t s = 0; s < blocks.size(); ++s) {
-    const int64_t qt = qtypes[s], seg_rows = blocks[s].size(0), row_bytes = blocks[s].size(1);
+    const bool x8 = (qtypes[s] & kX8Flag) != 0;
+    const int64_t qt = qtypes[s] & ~kX8Flag, row_bytes = blocks[s].size(1);
+    const int64_t seg_rows = x8 ? 8 * blocks[s].size(0) : blocks[s].size(0);
     const uint8_t* w = blocks[s].const_data_ptr<uint8_t>();
     // At least ~32 KiB of weights per task: below that a second thread costs more than it saves.
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1));
@@ -619,6 +440,15 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
     const bool k = type_info(qt).k;
     if (k && !have256) fill_acts(x, true, acts), have256 = true;
     if (!k && !have32) fill_acts(x, false, acts), have32 = true;
+    if (x8) {
+      const void* a = k ? static_cast<const void*>(acts.q8k.data()) : static_cast<const void*>(acts.q8.data());
+      const int64_t nb = k ? acts.blocks256 : acts.blocks32;
+      at::parallel_for(0, blocks[s].size(0), grain, [&](int64_t lo, int64_t hi) {
+        x8_run(qt, w, row_bytes, lo, hi, a, nb, rows, out, col0);
+      });
+      col0 += seg_rows;
+      continue;
+    }
     at::parallel_for(0, seg_rows, grain, [&](int64_t lo, int64_t hi) {
       switch (qt) {
         case kQ4_0: run_rows<Q4_0Dot>(w, row_bytes, lo, hi, acts.q8.data(), acts.blocks32, rows, out, col0); break;
@@ -686,6 +516,11 @@ at::Tensor quant_embedding(const at::Tensor& ids, const at::Tensor& blocks, int6
   return out;
 }
 
+// A packed [rows, row_bytes] weight in the interleaved layout (quant_x8.cpp); its type id in
+// quant_linear becomes qtype | 256.
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) { return x8_repack(blocks, qtype); }
+bool quant_repackable(int64_t qtype) { return x8_supported(qtype); }
+
 // Which instruction set the integer dot products use on this build (benchmarks and logs).
 std::string quant_isa() {
 #if defined(IMPASTO_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -704,11 +539,14 @@ std::string quant_isa() {
 
 TORCH_LIBRARY_FRAGMENT(impasto, m) {
   m.def("quant_linear(Tensor x, Tensor[] blocks, int[] qtypes, Tensor? bias=None) -> Tensor");
+  m.def("quant_repack(Tensor blocks, int qtype) -> Tensor");
   m.def("quant_embedding(Tensor ids, Tensor blocks, int qtype, int cols, ScalarType dtype) -> Tensor");
   m.def("quant_isa() -> str", &impasto_quant::quant_isa);
+  m.def("quant_repackable(int qtype) -> bool", &impasto_quant::quant_repackable);
 }
 
 TORCH_LIBRARY_IMPL(impasto, CPU, m) {
   m.impl("quant_linear", &impasto_quant::quant_linear);
   m.impl("quant_embedding", &impasto_quant::quant_embedding);
+  m.impl("quant_repack", &impasto_quant::quant_repack);
 }

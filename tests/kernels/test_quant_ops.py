@@ -24,7 +24,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from impasto import kernels
-from impasto.models.layers.quantized import PackedWeight, QuantizedTensor, packed_linear_eager
+from impasto.models.layers.quantized import (
+    X8_FLAG,
+    PackedWeight,
+    QuantizedTensor,
+    kernel_linear,
+    packed_linear_eager,
+)
 
 HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for the CPU kernels")
@@ -70,19 +76,39 @@ def error_bound(x: np.ndarray, w: np.ndarray, elems: int) -> np.ndarray:
     return rounding * 1.001 + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
-def run(ops, x: torch.Tensor, blocks: list[np.ndarray], types: list[Q], bias=None):
-    return ops.quant_linear(x, [torch.from_numpy(b) for b in blocks], [int(t) for t in types], bias)
+LAYOUTS = ["rows", "x8"]  # GGML's row layout; rows interleaved by 8 (quant_x8.cpp)
 
 
+def rows_for(layout: str, rows: int) -> int:
+    """The interleaved layout takes whole groups of 8 rows."""
+    return -(-rows // 8) * 8 if layout == "x8" else rows
+
+
+def kernel_segment(ops, blocks: np.ndarray, qtype: Q, layout: str) -> tuple[torch.Tensor, int]:
+    """What quant_linear takes for one segment in `layout` (types without interleaved
+    kernels, and row counts that are not whole groups of 8, stay in rows)."""
+    t = torch.from_numpy(blocks)
+    if layout == "x8" and ops.quant_repackable(int(qtype)) and blocks.shape[0] % 8 == 0:
+        return ops.quant_repack(t, int(qtype)), int(qtype) | X8_FLAG
+    return t, int(qtype)
+
+
+def run(ops, x: torch.Tensor, blocks: list[np.ndarray], types: list[Q], bias=None, layout="rows"):
+    segs = [kernel_segment(ops, b, t, layout) for b, t in zip(blocks, types, strict=True)]
+    return ops.quant_linear(x, [b for b, _ in segs], [t for _, t in segs], bias)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matmul_within_activation_rounding(ops, qtype, shape):
+def test_matmul_within_activation_rounding(ops, qtype, shape, layout):
     rows, kblocks, t = shape
+    rows = rows_for(layout, rows)
     cols = 256 * kblocks
     blocks = random_blocks(qtype, rows, cols, seed=rows + t)
     w = dequantize(blocks, qtype).reshape(rows, cols).astype(np.float64)
     x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
-    y = run(ops, x, [blocks], [qtype]).double().numpy()
+    y = run(ops, x, [blocks], [qtype], layout=layout).double().numpy()
     exact = x.double().numpy() @ w.T
     bound = error_bound(x.double().numpy(), w, GGML_QUANT_SIZES[qtype][0])
     assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
@@ -90,19 +116,40 @@ def test_matmul_within_activation_rounding(ops, qtype, shape):
     assert np.max(np.abs(y - exact) / bound) > 1e-3
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_rows_do_not_depend_on_the_batch(ops, qtype):
+def test_rows_do_not_depend_on_the_batch(ops, qtype, layout):
     """Each row's result is the same bits alone, in any batch, at any position of it."""
-    blocks = random_blocks(qtype, 70, 512, seed=3)
+    blocks = random_blocks(qtype, rows_for(layout, 70), 512, seed=3)
     x = torch.randn(67, 512, generator=torch.Generator().manual_seed(1))
-    full = run(ops, x, [blocks], [qtype])
+    full = run(ops, x, [blocks], [qtype], layout=layout)
     for idx in ([0], [66], [5, 6, 7], list(range(3, 67, 2))):
-        assert torch.equal(run(ops, x[idx], [blocks], [qtype]), full[idx])
+        assert torch.equal(run(ops, x[idx], [blocks], [qtype], layout=layout), full[idx])
     shuffled = torch.randperm(67, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(run(ops, x[shuffled], [blocks], [qtype]), full[shuffled])
+    assert torch.equal(run(ops, x[shuffled], [blocks], [qtype], layout=layout), full[shuffled])
 
 
-def test_segments_bias_and_bf16(ops):
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_interleaved_layout_agrees_with_rows(ops, qtype):
+    """The two layouts do the same integer sums and group the float terms differently:
+    equal to float rounding. Types without interleaved kernels are refused by the repack."""
+    blocks = random_blocks(qtype, 48, 768, seed=9)
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(3))
+    if not ops.quant_repackable(int(qtype)):
+        with pytest.raises(RuntimeError, match="no interleaved kernels"):
+            ops.quant_repack(torch.from_numpy(blocks), int(qtype))
+        return
+    rows, x8 = run(ops, x, [blocks], [qtype]), run(ops, x, [blocks], [qtype], layout="x8")
+    assert torch.allclose(rows, x8, rtol=1e-5, atol=1e-6 * rows.abs().max().item())
+    assert not torch.equal(rows, x8)  # it is a different kernel
+    packed = ops.quant_repack(torch.from_numpy(blocks), int(qtype))
+    assert packed.shape[0] == 6 and packed.numel() >= blocks.size  # rearranged, nothing dropped
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.quant_repack(torch.from_numpy(blocks[:12]), int(qtype))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_segments_bias_and_bf16(ops, layout):
     """Row segments of mixed families (a Q4_K_M q/k/v projection mixes types) give the
     concatenation of each segment alone; the bias is added in float before one rounding;
     bf16 activations are widened exactly, so they match the float32 call on the same values."""
@@ -112,17 +159,22 @@ def test_segments_bias_and_bf16(ops):
     types = [t for t, _ in parts]
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(0)).bfloat16()
     alone = torch.cat(
-        [run(ops, x.float(), [b], [t]) for b, t in zip(blocks, types, strict=True)], dim=1
+        [run(ops, x.float(), [b], [t], layout=layout) for b, t in zip(blocks, types, strict=True)],
+        dim=1,
     )
-    assert torch.equal(run(ops, x.float(), blocks, types), alone)
+    assert torch.equal(run(ops, x.float(), blocks, types, layout=layout), alone)
     bias = torch.randn(alone.shape[1])
-    assert torch.equal(run(ops, x.float(), blocks, types, bias), alone + bias)
-    y16 = run(ops, x, blocks, types, bias.bfloat16())
+    assert torch.equal(run(ops, x.float(), blocks, types, bias, layout=layout), alone + bias)
+    y16 = run(ops, x, blocks, types, bias.bfloat16(), layout=layout)
     assert y16.dtype == torch.bfloat16
     assert torch.equal(y16, (alone + bias.bfloat16().float()).bfloat16())
     # leading dims and empty inputs
-    assert run(ops, x.float().view(5, 1, cols), blocks, types).shape == (5, 1, alone.shape[1])
-    assert run(ops, x.float()[:0], blocks, types).shape == (0, alone.shape[1])
+    assert run(ops, x.float().view(5, 1, cols), blocks, types, layout=layout).shape == (
+        5,
+        1,
+        alone.shape[1],
+    )
+    assert run(ops, x.float()[:0], blocks, types, layout=layout).shape == (0, alone.shape[1])
 
 
 def test_shape_errors(ops):
@@ -186,8 +238,12 @@ ops = kernels.load()
 x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0))
 out = {{"isa": ops.quant_isa()}}
 for t in TYPES:
-    y = ops.quant_linear(x, [torch.from_numpy(random_blocks(t, 9, 512))], [int(t)])
+    blocks = torch.from_numpy(random_blocks(t, 16, 512))
+    y = ops.quant_linear(x, [blocks], [int(t)])
     out[t.name] = y.numpy().view(np.int32).tolist()
+    if ops.quant_repackable(int(t)):
+        y = ops.quant_linear(x, [ops.quant_repack(blocks, int(t))], [int(t) | 256])
+        out[t.name + "-x8"] = y.numpy().view(np.int32).tolist()
 print(json.dumps(out))
 """
 
@@ -209,5 +265,32 @@ def test_avx2_build_gives_the_same_bits_as_the_native_one(ops):
     assert avx2["isa"] in ("avx2", "portable")
     if native["isa"] == avx2["isa"]:
         pytest.skip(f"this CPU has no wider instruction set than {avx2['isa']}")
-    for t in TYPES:
-        assert native[t.name] == avx2[t.name], t.name
+    assert native.keys() == avx2.keys()
+    for name in native.keys() - {"isa"}:
+        assert native[name] == avx2[name], name
+
+
+def test_packed_weight_kernel_layout(ops):
+    """`use_kernel_layout` repacks the segments the interleaved kernels take (whole groups of 8
+    rows, a supported type) and leaves the rest; the GGML-layout segments stay for embedding
+    lookups; the matmul gives the same results to float rounding as on the row layout."""
+    cols = 512
+    parts = [(Q.Q4_K, 32), (Q.Q6_K, 12), (Q.Q5_K, 8), (Q.Q8_0, 8)]
+    tensors = [
+        QuantizedTensor(int(t), (r, cols), torch.from_numpy(random_blocks(t, r, cols, seed=r)))
+        for t, r in parts
+    ]
+    weight = PackedWeight(tensors, torch.float32)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4))
+    before = kernel_linear(ops)(x, weight)
+    weight.use_kernel_layout(ops)
+    weight.use_kernel_layout(ops)  # once only
+    assert weight.kernel_qtypes == [
+        int(Q.Q4_K) | X8_FLAG,
+        int(Q.Q6_K),
+        int(Q.Q5_K),
+        int(Q.Q8_0) | X8_FLAG,
+    ]
+    assert [b.data_ptr() for b in weight.blocks] == [t.blocks.data_ptr() for t in tensors]
+    after = kernel_linear(ops)(x, weight)
+    assert torch.allclose(before, after, rtol=1e-5, atol=1e-6 * before.abs().max().item())

@@ -103,5 +103,6 @@ class SwappableLinear:
         """The kernels' integer-dot matmul for a packed GGUF weight (any activation dtype)."""
         if not isinstance(self.weight, PackedWeight):
             return False
+        self.weight.use_kernel_layout(ops)
         self.linear = kernel_linear(ops)
         return True

@@ -14,9 +14,14 @@ the bytes of weights it reads, so this is 3-4x fewer bytes per token than dequan
   (`torch.ops.impasto.quant_linear`, see impasto/kernels/quant_ops.cpp) when device preparation
   installed them, else the eager path of `ggml_blocks` (dequantize a chunk of rows + matmul).
 
+When the kernels are installed, each segment whose type has interleaved kernels (and whose rows
+come in whole groups of 8) is also repacked once into that layout (`use_kernel_layout`, see
+impasto/kernels/quant_x8.cpp: 8 rows' blocks interleaved, the same bytes rearranged), which the
+matmul then reads; the GGML-layout segments stay for embedding lookups and the eager path.
+
 Invariants: block tensors are never written (they may be read-only views of the file); a
-PackedWeight's segments cover its rows in order; the output dtype is the input's (bf16 or fp32
-activations, whatever the weights' type).
+PackedWeight's segments cover its rows in order, and so do its kernel segments; the output dtype
+is the input's (bf16 or fp32 activations, whatever the weights' type).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from impasto.models.layers.ggml_blocks import (
 )
 
 PACKABLE_TYPES = frozenset(int(t) for t in BLOCK_SHAPE)
+X8_FLAG = 1 << 8  # a kernel segment's type id in the interleaved layout: GGML's id | X8_FLAG
 
 
 @dataclass(frozen=True)
@@ -80,10 +86,32 @@ class PackedWeight(nn.Module):
         self.dtype = dtype
         for i, p in enumerate(parts):
             self.register_buffer(f"segment_{i}", p.blocks, persistent=False)
+        # what the kernels' matmul reads: segment i, or its interleaved repacking (type | X8)
+        self.kernel_qtypes = list(self.qtypes)
+        self._kernel_names = [f"segment_{i}" for i in range(len(parts))]
+
+    def use_kernel_layout(self, ops: Any) -> None:
+        """Repack (once) every segment the kernels have an interleaved layout for."""
+        for i, (blocks, qtype) in enumerate(zip(self.blocks, self.qtypes, strict=True)):
+            if (
+                self.kernel_qtypes[i] != qtype
+                or blocks.shape[0] % 8
+                or not ops.quant_repackable(qtype)
+            ):
+                continue
+            self.register_buffer(
+                f"x8_segment_{i}", ops.quant_repack(blocks, qtype), persistent=False
+            )
+            self._kernel_names[i] = f"x8_segment_{i}"
+            self.kernel_qtypes[i] = qtype | X8_FLAG
 
     @property
     def blocks(self) -> list[torch.Tensor]:
         return [getattr(self, f"segment_{i}") for i in range(len(self.qtypes))]
+
+    @property
+    def kernel_blocks(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self._kernel_names]
 
     @property
     def shape(self) -> torch.Size:
@@ -120,7 +148,7 @@ class KernelPackedLinear:
     def __call__(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.quant_linear(x, weight.blocks, weight.qtypes, bias)
+        return self.quant_linear(x, weight.kernel_blocks, weight.kernel_qtypes, bias)
 
 
 def kernel_linear(ops: Any) -> KernelPackedLinear:

@@ -1,0 +1,418 @@
+// Packed GGML weights with rows interleaved in groups of 8: the layout the matmul computes on
+// once a weight has been repacked (once, when the kernels are installed; impasto/models/layers/
+// quantized.py), for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K.
+//
+// Why: in GGML's row layout a dot product of one weight row with one activation row ends in 8
+// int32 lanes that each hold part of the same sum, so every 32 values cost an integer multiply
+// by the sub-block's scale and the end of every row a horizontal sum. Here the 8 int32 lanes of
+// a vector are 8 different weight rows: 4 consecutive weight bytes of each row sit side by side,
+// the activations' matching 4 bytes are broadcast to all lanes, and one dpbusd (or AVX2's
+// maddubs + madd) advances 8 rows at once. A sub-block's scales then multiply 8 rows' sums in
+// one instruction per sub-block, and the lanes are the 8 outputs: no horizontal sums.
+//
+// Layout: a group's blocks in order; one record per (group, block) holding each GGML field of
+// the 8 rows, field by field (structs below). Scales stay IEEE halves and the quants keep their
+// bits. Q6_K's and Q5_x's high bits are
+// regrouped so each 4-byte lane group decodes with shifts and masks only. A record is 8 GGML
+// blocks' bytes, rearranged, except Q4_K's, whose 6-bit scales and mins are unpacked to bytes
+// (+32 bytes a record, 2.8 %: read once per block, they would cost more unpacked per row).
+//
+// Arithmetic: as quant_ops.cpp's (8-bit activation blocks, exact integer sums, one float
+// fused multiply-add per block and row in block order), so a row's result depends only on its
+// weight row and activation row: batch invariance holds, and AVX2 and VNNI agree bit for bit.
+// The per-block float terms are grouped differently from the row-layout kernels, so the two
+// layouts agree to float rounding, not bit for bit; a model uses one of them for all its steps.
+#include "quant_x8.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <type_traits>
+
+namespace impasto_quant {
+namespace {
+
+#pragma pack(push, 1)
+// [g][r][k]: byte k of lane r (weight row r) in 4-byte group g.
+struct X8Q4_0 { uint16_t d[8]; uint8_t qs[4][8][4]; };
+struct X8Q4_1 { uint16_t d[8], m[8]; uint8_t qs[4][8][4]; };
+// qh[r][k]: bit 2g = fifth bit of value 4g + k, bit 2g + 1 = of value 16 + 4g + k.
+struct X8Q5_0 { uint16_t d[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; };
+struct X8Q5_1 { uint16_t d[8], m[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; };
+struct X8Q8_0 { uint16_t d[8]; int8_t qs[8][8][4]; };
+// Q4_K: chunk c of 64 values: low nibbles = sub-block 2c, high = 2c + 1 (GGML's order).
+// sc[j][r]: sub-block j's 6-bit scale; mn[i][r] = the mins of sub-blocks 2i and 2i + 1.
+struct X8Q4_K { uint16_t d[8], dmin[8]; uint8_t sc[8][8]; uint8_t mn[4][8][2]; uint8_t qs[4][8][8][4]; };
+// Q6_K, values u = q + 32 in [0, 63] in natural order, chunk c after chunk c (read in address
+// order: hardware prefetchers follow one stream, not two): ch[c].ql[g][r][k] low nibble = low 4
+// bits of value 64c + 4g + k, high nibble = of 64c + 32 + 4g + k; ch[c].qh[g / 2][r][k] bits
+// 4 (g % 2) + 2h, + 1 = top 2 bits of value 64c + 32h + 4g + k; sc[i][r] = scales 2i, 2i + 1
+// (scale s covers values 16s .. 16s + 15).
+struct X8Q6_KChunk { uint8_t ql[8][8][4]; uint8_t qh[4][8][4]; };
+struct X8Q6_K { uint16_t d[8]; int8_t sc[8][8][2]; X8Q6_KChunk ch[4]; };
+#pragma pack(pop)
+static_assert(sizeof(X8Q4_0) == 8 * sizeof(BlockQ4_0) && sizeof(X8Q4_1) == 8 * sizeof(BlockQ4_1));
+static_assert(sizeof(X8Q5_0) == 8 * sizeof(BlockQ5_0) && sizeof(X8Q5_1) == 8 * sizeof(BlockQ5_1));
+static_assert(sizeof(X8Q8_0) == 8 * sizeof(BlockQ8_0));
+static_assert(sizeof(X8Q4_K) == 8 * sizeof(BlockQ4_K) + 32);  // scales unpacked: 16 bytes a row, not 12
+static_assert(sizeof(X8Q6_K) == 8 * sizeof(BlockQ6_K));
+
+// ---------------------------------------------------------------- repacking (scalar, once)
+// Block b of weight row r of the group starting at `src` (rows `row_bytes` apart).
+template <typename Blk>
+const Blk& src_block(const uint8_t* src, int64_t row_bytes, int r, int64_t b) {
+  return reinterpret_cast<const Blk*>(src + r * row_bytes)[b];
+}
+
+template <typename X, typename Blk>
+void repack_32(const uint8_t* src, int64_t row_bytes, int64_t b, X& out) {
+  for (int r = 0; r < 8; ++r) {
+    const Blk& s = src_block<Blk>(src, row_bytes, r, b);
+    out.d[r] = s.d;
+    if constexpr (requires { out.m; }) out.m[r] = s.m;
+    constexpr int groups = sizeof(out.qs) / 32;  // 4-byte groups per lane: 4 (nibbles) or 8
+    for (int g = 0; g < groups; ++g) std::memcpy(out.qs[g][r], s.qs + 4 * g, 4);
+    if constexpr (requires { out.qh; }) {
+      uint32_t bits;
+      std::memcpy(&bits, s.qh, 4);
+      for (int k = 0; k < 4; ++k) {
+        uint8_t v = 0;
+        for (int g = 0; g < 4; ++g) {
+          v |= static_cast<uint8_t>(((bits >> (4 * g + k)) & 1u) << (2 * g));
+          v |= static_cast<uint8_t>(((bits >> (16 + 4 * g + k)) & 1u) << (2 * g + 1));
+        }
+        out.qh[r][k] = v;
+      }
+    }
+  }
+}
+
+void repack_q4k(const uint8_t* src, int64_t row_bytes, int64_t b, X8Q4_K& out) {
+  for (int r = 0; r < 8; ++r) {
+    const BlockQ4_K& s = src_block<BlockQ4_K>(src, row_bytes, r, b);
+    out.d[r] = s.d;
+    out.dmin[r] = s.dmin;
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, s.scales, sc, m);
+      out.sc[j][r] = static_cast<uint8_t>(sc);
+      out.mn[j / 2][r][j % 2] = static_cast<uint8_t>(m);
+    }
+    for (int c = 0; c < 4; ++c)
+      for (int g = 0; g < 8; ++g) std::memcpy(out.qs[c][g][r], s.qs + 32 * c + 4 * g, 4);
+  }
+}
+
+void repack_q6k(const uint8_t* src, int64_t row_bytes, int64_t b, X8Q6_K& out) {
+  for (int r = 0; r < 8; ++r) {
+    const BlockQ6_K& s = src_block<BlockQ6_K>(src, row_bytes, r, b);
+    uint8_t u[256];  // GGML's Q6_K order: value 128n + 32j + l
+    for (int v = 0; v < 256; ++v) {
+      const int n = v / 128, j = (v % 128) / 32, l = v % 32;
+      const uint8_t ql = s.ql[64 * n + l + 32 * (j & 1)];
+      const int lo4 = j < 2 ? ql & 0xF : ql >> 4;
+      u[v] = static_cast<uint8_t>(lo4 | ((s.qh[32 * n + l] >> (2 * j)) & 3) << 4);
+    }
+    out.d[r] = s.d;
+    for (int i = 0; i < 8; ++i) out.sc[i][r][0] = s.scales[2 * i], out.sc[i][r][1] = s.scales[2 * i + 1];
+    for (int c = 0; c < 4; ++c) {
+      for (auto& q : out.ch[c].qh) std::memset(q[r], 0, 4);
+      for (int g = 0; g < 8; ++g)
+        for (int k = 0; k < 4; ++k) {
+          const int lo = u[64 * c + 4 * g + k], hi = u[64 * c + 32 + 4 * g + k];
+          out.ch[c].ql[g][r][k] = static_cast<uint8_t>((lo & 0xF) | (hi & 0xF) << 4);
+          out.ch[c].qh[g / 2][r][k] |= static_cast<uint8_t>(((lo >> 4) | (hi >> 4) << 2) << (4 * (g % 2)));
+        }
+    }
+  }
+}
+
+template <typename X>
+void repack_all(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t nb, X* dst,
+                void (*one)(const uint8_t*, int64_t, int64_t, X&)) {
+  at::parallel_for(0, rows / 8, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g)
+      for (int64_t b = 0; b < nb; ++b) one(src + 8 * g * row_bytes, row_bytes, b, dst[g * nb + b]);
+  });
+}
+
+#ifdef IMPASTO_AVX2
+// ---------------------------------------------------------------- kernels
+// Each: NX activation rows against one group of 8 weight rows; acc[t] lane r += the block's
+// contribution to output (t, r), block after block.
+
+inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256i bcast4(const int16_t* p) { return bcast4(reinterpret_cast<const int8_t*>(p)); }
+inline __m256 halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// ((v >> s) & mask) for a compile-time shift that may be negative (a left shift), per byte:
+// the mask keeps only bits that came from the same byte.
+template <int S>
+inline __m256i shift_bits(__m256i v, uint8_t mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  if constexpr (S > 0) return _mm256_and_si256(_mm256_srli_epi16(v, S), m);
+  else if constexpr (S < 0) return _mm256_and_si256(_mm256_slli_epi16(v, -S), m);
+  else return _mm256_and_si256(v, m);
+}
+
+enum class Zero { kNone, k8, k16, kMin };  // Q8_0 | Q4_0 | Q5_0 | Q4_1, Q5_1
+
+template <int NX, typename X, Zero kZero, bool kFifth>
+struct Dot32 {
+  static void run(const uint8_t* wg, const ActQ8* const* x, int64_t nb, __m256* acc) {
+    const X* w = reinterpret_cast<const X*>(wg);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const X& blk = w[b];
+      __m256i ia[NX];
+      for (int t = 0; t < NX; ++t) ia[t] = _mm256_setzero_si256();
+      if constexpr (std::is_same_v<X, X8Q8_0>) {
+        for (int g = 0; g < 8; ++g) {  // signed x signed: |w| meets x carrying w's sign
+          const __m256i v = load32(blk.qs[g]), u = _mm256_sign_epi8(v, v);
+          for (int t = 0; t < NX; ++t) ia[t] = dot_acc(ia[t], u, _mm256_sign_epi8(bcast4(x[t][b].q + 4 * g), v));
+        }
+      } else {
+        [[maybe_unused]] __m256i qh;
+        if constexpr (kFifth) qh = load32(blk.qh);
+        auto group = [&]<int G>() {
+          const __m256i v = load32(blk.qs[G]);
+          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          if constexpr (kFifth) {  // bit 2G (2G + 1) to bit 4
+            lo = _mm256_or_si256(lo, shift_bits<2 * G - 4>(qh, 0x10));
+            hi = _mm256_or_si256(hi, shift_bits<2 * G + 1 - 4>(qh, 0x10));
+          }
+          for (int t = 0; t < NX; ++t) {
+            const int8_t* q = x[t][b].q + 4 * G;
+            ia[t] = dot_acc(ia[t], lo, bcast4(q));
+            ia[t] = dot_acc(ia[t], hi, bcast4(q + 16));
+          }
+        };
+        group.template operator()<0>();
+        group.template operator()<1>();
+        group.template operator()<2>();
+        group.template operator()<3>();
+      }
+      const __m256 d = halves(blk.d);
+      [[maybe_unused]] __m256 m;
+      if constexpr (kZero == Zero::kMin) m = halves(blk.m);
+      for (int t = 0; t < NX; ++t) {
+        const ActQ8& a = x[t][b];
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[t]);
+        if constexpr (kZero == Zero::k8) acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(8.0f * a.dsum), acc[t]);
+        if constexpr (kZero == Zero::k16) acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(16.0f * a.dsum), acc[t]);
+        if constexpr (kZero == Zero::kMin) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.dsum), acc[t]);
+      }
+    }
+  }
+};
+template <int NX> using Q4_0X8 = Dot32<NX, X8Q4_0, Zero::k8, false>;
+template <int NX> using Q4_1X8 = Dot32<NX, X8Q4_1, Zero::kMin, false>;
+template <int NX> using Q5_0X8 = Dot32<NX, X8Q5_0, Zero::k16, true>;
+template <int NX> using Q5_1X8 = Dot32<NX, X8Q5_1, Zero::kMin, true>;
+template <int NX> using Q8_0X8 = Dot32<NX, X8Q8_0, Zero::kNone, false>;
+
+template <int NX>
+struct Q4_KX8 {
+  static void run(const uint8_t* wg, const ActQ8K* const* x, int64_t nb, __m256* acc) {
+    const X8Q4_K* w = reinterpret_cast<const X8Q4_K*>(wg);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const X8Q4_K& blk = w[b];
+      __m256i isum[NX];
+      for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i alo[NX], ahi[NX];  // sub-blocks 2c and 2c + 1, unscaled
+        for (int t = 0; t < NX; ++t) alo[t] = ahi[t] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+          const __m256i v = load32(blk.qs[c][g]);
+          const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          for (int t = 0; t < NX; ++t) {
+            const int8_t* q = x[t][b].q + 64 * c + 4 * g;
+            alo[t] = dot_acc(alo[t], lo, bcast4(q));
+            ahi[t] = dot_acc(ahi[t], hi, bcast4(q + 32));
+          }
+        }
+        const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c])));
+        const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c + 1])));
+        for (int t = 0; t < NX; ++t)
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(alo[t], sl), _mm256_mullo_epi32(ahi[t], sh)));
+      }
+      __m256i mn[4];  // int16 pairs (min 2i, min 2i + 1) per lane
+      for (int i = 0; i < 4; ++i) mn[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.mn[i])));
+      const __m256 d = halves(blk.d), dmin = halves(blk.dmin);
+      for (int t = 0; t < NX; ++t) {
+        const ActQ8K& a = x[t][b];
+        __m256i msum = _mm256_madd_epi16(mn[0], bcast4(a.sums32));
+        for (int i = 1; i < 4; ++i) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mn[i], bcast4(a.sums32 + 2 * i)));
+        const __m256 ad = _mm256_set1_ps(a.d);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, ad), acc[t]);
+        acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[t]);
+      }
+    }
+  }
+};
+
+template <int NX>
+struct Q6_KX8 {
+  static void run(const uint8_t* wg, const ActQ8K* const* x, int64_t nb, __m256* acc) {
+    const X8Q6_K* w = reinterpret_cast<const X8Q6_K*>(wg);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+      const X8Q6_K& blk = w[b];
+      __m256i isum[NX];
+      for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
+      auto chunk = [&]<int C>() __attribute__((always_inline)) {
+        const X8Q6_KChunk& ch = blk.ch[C];
+        // scale groups 4C .. 4C + 3: low half values 0-15 (a0), 16-31 (a1); high half (a2, a3)
+        __m256i a0[NX], a1[NX], a2[NX], a3[NX];
+        auto step = [&]<int G>(__m256i* alo, __m256i* ahi) __attribute__((always_inline)) {
+          constexpr int f = 4 * (G % 2);  // the low half's top bits at f, the high half's at f + 2
+          const __m256i v = load32(ch.ql[G]), h = load32(ch.qh[G / 2]);
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), shift_bits<f - 4>(h, 0x30));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), shift_bits<f - 2>(h, 0x30));
+          for (int t = 0; t < NX; ++t) {
+            const int8_t* q = x[t][b].q + 64 * C + 4 * G;
+            alo[t] = dot_acc(alo[t], lo, bcast4(q));
+            ahi[t] = dot_acc(ahi[t], hi, bcast4(q + 32));
+          }
+        };
+        for (int t = 0; t < NX; ++t) a0[t] = a1[t] = a2[t] = a3[t] = _mm256_setzero_si256();
+        step.template operator()<0>(a0, a2);
+        step.template operator()<1>(a0, a2);
+        step.template operator()<2>(a0, a2);
+        step.template operator()<3>(a0, a2);
+        step.template operator()<4>(a1, a3);
+        step.template operator()<5>(a1, a3);
+        step.template operator()<6>(a1, a3);
+        step.template operator()<7>(a1, a3);
+        for (int p = 0; p < 2; ++p) {  // scale pairs 2C + p: groups 4C + 2p, 4C + 2p + 1
+          const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.sc[2 * C + p])));
+          const __m256i s0 = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16), s1 = _mm256_srai_epi32(pair, 16);
+          const __m256i* e0 = p == 0 ? a0 : a2;
+          const __m256i* e1 = p == 0 ? a1 : a3;
+          for (int t = 0; t < NX; ++t)
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(e0[t], s0), _mm256_mullo_epi32(e1[t], s1)));
+        }
+      };
+      chunk.template operator()<0>();
+      chunk.template operator()<1>();
+      chunk.template operator()<2>();
+      chunk.template operator()<3>();
+      // the -32 zero point: 32 * sum over groups s of scale_s * (sum of x in s)
+      __m256i zp[NX];
+      for (int t = 0; t < NX; ++t) zp[t] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.sc[i])));
+        for (int t = 0; t < NX; ++t) zp[t] = _mm256_add_epi32(zp[t], _mm256_madd_epi16(pair, bcast4(x[t][b].bsums + 2 * i)));
+      }
+      const __m256 d = halves(blk.d);
+      for (int t = 0; t < NX; ++t) {
+        const __m256i total = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(zp[t], 5));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(x[t][b].d)), acc[t]);
+      }
+    }
+  }
+};
+
+constexpr int kNX = 4;         // activation rows per pass over a group's weights
+constexpr int64_t kTile = 64;  // activation rows kept hot while a thread's groups stream
+
+template <template <int> class Dot, typename Act>
+void run_groups(const uint8_t* w, int64_t group_bytes, int64_t g_lo, int64_t g_hi, const Act* acts, int64_t nb,
+                int64_t rows, const Out& y, int64_t col0) {
+  const Act* xs[kNX];
+  __m256 acc[kNX];
+  alignas(32) float res[8];
+  for (int64_t t0 = 0; t0 < rows; t0 += kTile) {
+    const int64_t tn = std::min(kTile, rows - t0);
+    for (int64_t g = g_lo; g < g_hi; ++g) {
+      const uint8_t* wg = w + g * group_bytes;
+      for (int64_t t = t0; t < t0 + tn; t += kNX) {
+        const int64_t n = std::min<int64_t>(kNX, t0 + tn - t);
+        for (int64_t i = 0; i < n; ++i) xs[i] = acts + (t + i) * nb, acc[i] = _mm256_setzero_ps();
+        switch (n) {
+          case 4: Dot<4>::run(wg, xs, nb, acc); break;
+          case 3: Dot<3>::run(wg, xs, nb, acc); break;
+          case 2: Dot<2>::run(wg, xs, nb, acc); break;
+          default: Dot<1>::run(wg, xs, nb, acc); break;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          _mm256_store_ps(res, acc[i]);
+          for (int r = 0; r < 8; ++r) y.store(t + i, col0 + 8 * g + r, res[r]);
+        }
+      }
+    }
+  }
+}
+#endif  // IMPASTO_AVX2
+
+}  // namespace
+
+bool x8_supported(int64_t qtype) {
+#ifdef IMPASTO_AVX2
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ6_K: return true;
+    default: return false;
+  }
+#else
+  (void)qtype;
+  return false;
+#endif
+}
+
+int64_t x8_group_bytes(int64_t qtype, int64_t cols) {
+  const TypeInfo ti = type_info(qtype);
+  const int64_t record = qtype == kQ4_K ? static_cast<int64_t>(sizeof(X8Q4_K)) : 8 * ti.bytes;
+  return cols / ti.elems * record;
+}
+
+at::Tensor x8_repack(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(x8_supported(qtype), "quant_repack: no interleaved kernels for GGML type ", qtype, " in this build");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) % 8 == 0,
+              "quant_repack: blocks must be contiguous uint8 [rows, row_bytes] with rows a multiple of 8");
+  const TypeInfo ti = type_info(qtype);
+  const int64_t rows = blocks.size(0), row_bytes = blocks.size(1);
+  TORCH_CHECK(row_bytes % ti.bytes == 0, "quant_repack: rows of ", row_bytes, " bytes are not whole blocks of type ", qtype);
+  const int64_t nb = row_bytes / ti.bytes;
+  auto out = at::empty({rows / 8, x8_group_bytes(qtype, nb * ti.elems)}, blocks.options());
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  switch (qtype) {
+    case kQ4_0: repack_all<X8Q4_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_0*>(dst), repack_32<X8Q4_0, BlockQ4_0>); break;
+    case kQ4_1: repack_all<X8Q4_1>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_1*>(dst), repack_32<X8Q4_1, BlockQ4_1>); break;
+    case kQ5_0: repack_all<X8Q5_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q5_0*>(dst), repack_32<X8Q5_0, BlockQ5_0>); break;
+    case kQ5_1: repack_all<X8Q5_1>(src, rows, row_bytes, nb, reinterpret_cast<X8Q5_1*>(dst), repack_32<X8Q5_1, BlockQ5_1>); break;
+    case kQ8_0: repack_all<X8Q8_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q8_0*>(dst), repack_32<X8Q8_0, BlockQ8_0>); break;
+    case kQ4_K: repack_all<X8Q4_K>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_K*>(dst), repack_q4k); break;
+    case kQ6_K: repack_all<X8Q6_K>(src, rows, row_bytes, nb, reinterpret_cast<X8Q6_K*>(dst), repack_q6k); break;
+    default: break;
+  }
+  return out;
+}
+
+void x8_run(int64_t qtype, const uint8_t* w, int64_t group_bytes, int64_t g_lo, int64_t g_hi, const void* acts,
+            int64_t nb, int64_t rows, const Out& y, int64_t col0) {
+#ifdef IMPASTO_AVX2
+  const auto* a32 = static_cast<const ActQ8*>(acts);
+  const auto* a256 = static_cast<const ActQ8K*>(acts);
+  switch (qtype) {
+    case kQ4_0: run_groups<Q4_0X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+    case kQ4_1: run_groups<Q4_1X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+    case kQ5_0: run_groups<Q5_0X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+    case kQ5_1: run_groups<Q5_1X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+    case kQ8_0: run_groups<Q8_0X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+    case kQ4_K: run_groups<Q4_KX8>(w, group_bytes, g_lo, g_hi, a256, nb, rows, y, col0); break;
+    case kQ6_K: run_groups<Q6_KX8>(w, group_bytes, g_lo, g_hi, a256, nb, rows, y, col0); break;
+    default: TORCH_CHECK(false, "quant_linear: no interleaved kernel for GGML type ", qtype);
+  }
+#else
+  (void)qtype, (void)w, (void)group_bytes, (void)g_lo, (void)g_hi, (void)acts, (void)nb, (void)rows, (void)y, (void)col0;
+  TORCH_CHECK(false, "quant_linear: this build has no interleaved kernels");
+#endif
+}
+
+}  // namespace impasto_quant
