@@ -115,7 +115,12 @@ def decode_weight_bytes(model: Any) -> int:
     except a token embedding that nothing else shares (a step gathers a few of its rows)."""
     names: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    buffers = dict(model.named_buffers())
+    tensors = list(model.named_parameters(remove_duplicate=False)) + [
+        (name, t)  # a packed segment the kernels read repacked is not read itself
+        for name, t in buffers.items()
+        if name.rpartition(".")[0] + ".x8_" + name.rpartition(".")[2] not in buffers
+    ]
     for name, t in tensors:
         names.setdefault(_key(t), []).append(name)
         sizes[_key(t)] = t.numel() * t.element_size()

@@ -343,7 +343,7 @@ def packed_tensor(weight: GGUFWeight) -> QuantizedTensor:
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(weight.data)
     rows, cols = weight.shape
-    return QuantizedTensor(int(weight.qtype), (rows, cols), blocks.view(rows, -1))
+    return QuantizedTensor(int(weight.qtype), (rows, cols), blocks.view(rows, -1), mapped=True)
 
 
 def iter_gguf_weights(

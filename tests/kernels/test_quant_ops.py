@@ -30,6 +30,7 @@ from impasto.models.layers.quantized import (
     QuantizedTensor,
     kernel_linear,
     packed_linear_eager,
+    release_pages,
 )
 
 HAVE_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -294,3 +295,15 @@ def test_packed_weight_kernel_layout(ops):
     assert [b.data_ptr() for b in weight.blocks] == [t.blocks.data_ptr() for t in tensors]
     after = kernel_linear(ops)(x, weight)
     assert torch.allclose(before, after, rtol=1e-5, atol=1e-6 * before.abs().max().item())
+
+
+def test_released_pages_of_a_file_mapping_read_back_the_same(tmp_path):
+    """A repacked segment's file pages are dropped (`release_pages`): the mapping stays valid
+    and reads the file's bytes again (embedding lookups on a tied table still see them)."""
+    data = np.random.default_rng(0).integers(0, 256, size=5 * 4096 + 123, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    view = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r"))
+    assert int(view.sum()) == int(data.sum())  # resident now
+    release_pages(view[100:])
+    assert np.array_equal(view.numpy(), data)

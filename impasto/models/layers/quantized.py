@@ -26,6 +26,9 @@ is the input's (bf16 or fp32 activations, whatever the weights' type).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +55,7 @@ class QuantizedTensor:
     qtype: int
     shape: tuple[int, int]  # logical (rows, cols)
     blocks: torch.Tensor
+    mapped: bool = False  # blocks view a read-only file mapping: pages can be dropped, re-read
 
     def __post_init__(self) -> None:
         elems, nbytes = BLOCK_SHAPE[GGMLType(self.qtype)]
@@ -64,10 +68,26 @@ class QuantizedTensor:
 
     def narrow(self, start: int, size: int) -> QuantizedTensor:
         """Rows [start, start + size) (a view)."""
-        return QuantizedTensor(self.qtype, (size, self.shape[1]), self.blocks[start : start + size])
+        blocks = self.blocks[start : start + size]
+        return QuantizedTensor(self.qtype, (size, self.shape[1]), blocks, self.mapped)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.blocks, self.qtype, self.shape[1], dtype)
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Drop the resident pages under `view`, a tensor over a read-only file mapping (the
+    kernel re-reads them from the file if they are touched again, e.g. by embedding lookups),
+    so a repacked weight does not count twice in the process's memory. Whole pages inside the
+    view only; a no-op where madvise is unavailable."""
+    if sys.platform != "linux" or view.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = view.data_ptr()
+    lo, hi = -(-start // page) * page, (start + view.numel() * view.element_size()) // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
 
 
 class PackedWeight(nn.Module):
@@ -89,6 +109,7 @@ class PackedWeight(nn.Module):
         # what the kernels' matmul reads: segment i, or its interleaved repacking (type | X8)
         self.kernel_qtypes = list(self.qtypes)
         self._kernel_names = [f"segment_{i}" for i in range(len(parts))]
+        self._mapped = [p.mapped for p in parts]
 
     def use_kernel_layout(self, ops: Any) -> None:
         """Repack (once) every segment the kernels have an interleaved layout for."""
@@ -104,6 +125,8 @@ class PackedWeight(nn.Module):
             )
             self._kernel_names[i] = f"x8_segment_{i}"
             self.kernel_qtypes[i] = qtype | X8_FLAG
+            if self._mapped[i]:  # read once to repack: the file's pages need not stay resident
+                release_pages(blocks)
 
     @property
     def blocks(self) -> list[torch.Tensor]:
