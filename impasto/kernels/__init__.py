@@ -59,7 +59,12 @@ SOURCES = (
     _DIR / "quant_ops.cpp",
     _DIR / "quant_x8.cpp",
 )
-HEADERS = (_DIR / "vec_math.h", _DIR / "quant_ops.h", _DIR / "quant_blocks.h", _DIR / "quant_x8.h")
+HEADERS = (
+    _DIR / "vec_math.h",
+    _DIR / "quant_ops.h",
+    _DIR / "quant_blocks.h",
+    _DIR / "quant_x8.h",
+)
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change
 _TRIED = False

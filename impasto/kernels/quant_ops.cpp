@@ -434,8 +434,9 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
     const int64_t qt = qtypes[s] & ~kX8Flag, row_bytes = blocks[s].size(1);
     const int64_t seg_rows = x8 ? 8 * blocks[s].size(0) : blocks[s].size(0);
     const uint8_t* w = blocks[s].const_data_ptr<uint8_t>();
-    // At least ~32 KiB of weights per task: below that a second thread costs more than it saves.
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1));
+    // At least ~32 KiB of weight passes per task (a weight row is read once per 4-5 activation
+    // rows): below that a second thread costs more than it saves.
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes * ((rows + 3) / 4), 1));
 #ifdef IMPASTO_AVX2
     const bool k = type_info(qt).k;
     if (k && !have256) fill_acts(x, true, acts), have256 = true;
