@@ -46,7 +46,9 @@ _STUCK_POLL_S = 0.05  # how long step() waits for a timed-out step before return
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        parts: EngineComponents = build_components(args)
+        # the model is built on the thread its steps run on (see step_watchdog.py: OpenMP)
+        self.watchdog: StepWatchdog[ModelRunnerOutput] = StepWatchdog(args.step_timeout_s)
+        parts: EngineComponents = self.watchdog.run_untimed(lambda: build_components(args))
         self.config: EngineConfig = parts.config
         self.model_path = parts.model_path
         self.hf_config = parts.hf_config
@@ -61,7 +63,6 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.stats_logger = StatsLogger(self.config.observability, self.metrics)
         self._ids = count()
-        self.watchdog: StepWatchdog[ModelRunnerOutput] = StepWatchdog(args.step_timeout_s)
         self._timed_out: SchedulerOutput | None = None  # the step the watchdog gave up on
 
     # -- admission ----------------------------------------------------------------------------

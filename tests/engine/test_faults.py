@@ -185,3 +185,35 @@ def test_step_timeout_argument():
     for bad in (-1, float("nan"), "1", True):
         with pytest.raises(ValueError, match="step_timeout_s"):
             EngineArgs(step_timeout_s=bad)
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_the_model_is_built_on_the_thread_its_steps_run_on(checkpoint, monkeypatch, timeout):
+    """With a deadline, steps run on the watchdog's thread, and so does building the model:
+    the caller's thread then runs no OpenMP parallel region, which would make every region of
+    the step thread pay a kernel wake-up (step_watchdog.py). Without one, both are inline."""
+    import threading
+
+    import impasto.engine.engine as engine_module
+
+    threads: dict[str, int] = {}
+    build = engine_module.build_components
+
+    def recording_build(args):
+        threads["build"] = threading.get_ident()
+        return build(args)
+
+    monkeypatch.setattr(engine_module, "build_components", recording_build)
+    engine = _engine(checkpoint, step_timeout_s=timeout)
+    execute = engine.runner.execute_model
+
+    def recording_execute(so):
+        threads["step"] = threading.get_ident()
+        return execute(so)
+
+    engine.runner.execute_model = recording_execute
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert threads["build"] == threads["step"]
+    assert (threads["step"] == threading.get_ident()) == (timeout is None)
