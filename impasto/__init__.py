@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "impasto.entrypoints.llm",
     "SamplingParams": "impasto.sampling_params",
+    "StructuredOutputsParams": "impasto.structured_outputs",
     "RequestOutput": "impasto.outputs",
     "CompletionOutput": "impasto.outputs",
 }
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from impasto.entrypoints.llm import LLM
     from impasto.outputs import CompletionOutput, RequestOutput
     from impasto.sampling_params import SamplingParams
+    from impasto.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +32,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]

@@ -26,6 +26,7 @@ import msgspec
 
 from impasto import limits
 from impasto.errors import InvalidParameterError
+from impasto.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -95,6 +96,21 @@ def _normalize_logit_bias(bias: object) -> dict[int | str, float] | None:
     return out
 
 
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """A `StructuredOutputsParams`, or its fields as a dict (converted, with its checks)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return msgspec.convert(value, StructuredOutputsParams, strict=True)
+        except msgspec.ValidationError as e:
+            cause = e.__cause__ or e.__context__
+            if isinstance(cause, InvalidParameterError):
+                raise cause from None
+            raise _bad("structured_outputs", f"is invalid: {e}") from None
+    raise _bad("structured_outputs", f"must be a StructuredOutputsParams, got {show(value)}.")
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -129,6 +145,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Keep only the last k prompt tokens (-1: as many as the context allows); applied at
     # admission, before the length check.
     truncate_prompt_tokens: int | None = None
+    # The output must match a JSON schema, regex, choice or grammar (structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the tokenizer / generation config, not by users
     # (`ENGINE_FIELDS`).
     eos_token_id: int | None = None
@@ -152,6 +170,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the other random-sampling knobs have no effect; normalise them so

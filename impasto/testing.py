@@ -261,3 +261,33 @@ class FaultInjector:
                 float("nan") if self.kind == "nan" else float("inf")
             )
         return logits
+
+
+def save_byte_tokenizer(path: Any, eos_token: str = "<eos>") -> int:
+    """Save a byte-level tokenizer without merges into the HF folder `path`: ids 0..255 are
+    the bytes (GPT-2's byte-to-character alphabet), id 256 is `eos_token`. Any text encodes
+    (one token per UTF-8 byte) and decodes back exactly, so tiny random checkpoints of
+    vocabulary >= 257 can run text features (structured outputs, stop strings). Returns the
+    EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens({"eos_token": eos_token})
+    fast.save_pretrained(str(path))
+    return int(fast.eos_token_id)
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level alphabet spells as `char`."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    code = ord(char)
+    if code in printable:
+        return code
+    missing = [b for b in range(256) if b not in printable]
+    return missing[code - 256]

@@ -54,6 +54,10 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]]
     preempted_req_ids: set[str]
     finished_req_ids: set[str]  # finished since the previous step: the runner drops them
+    # Structured outputs: the token masks of this step's constrained requests (the worker's
+    # `TokenMasks`, or a future of them filled while the forward pass runs), set by the engine
+    # after scheduling; opaque here. None: no constrained request was scheduled.
+    grammar_masks: Any = None
 
     @property
     def is_empty(self) -> bool:

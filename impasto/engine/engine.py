@@ -24,13 +24,15 @@ from itertools import count
 
 from impasto.config import EngineArgs, EngineConfig
 from impasto.core import ModelRunnerOutput, Request, RequestStatus, Scheduler
-from impasto.core.outputs import SchedulerOutput
+from impasto.core.outputs import EngineCoreOutput, SchedulerOutput
 from impasto.engine.metrics import EngineMetrics, Metric
 from impasto.engine.output_processor import OutputProcessor
 from impasto.engine.processor import EngineRequest, InputProcessor, PromptType
 from impasto.engine.setup import EngineComponents, build_components
 from impasto.engine.stats_logger import StatsLogger
 from impasto.engine.step_watchdog import EngineDeadError, StepTimeoutError, StepWatchdog
+from impasto.engine.structured.grammar import GrammarCompiler
+from impasto.engine.structured.manager import StructuredOutputManager
 from impasto.errors import InvalidParameterError
 from impasto.outputs import RequestOutput
 from impasto.sampling_params import SamplingParams
@@ -64,6 +66,7 @@ class LLMEngine:
         self.stats_logger = StatsLogger(self.config.observability, self.metrics)
         self._ids = count()
         self._timed_out: SchedulerOutput | None = None  # the step the watchdog gave up on
+        self._structured: StructuredOutputManager | None = None  # built by the first such request
 
     # -- admission ----------------------------------------------------------------------------
     def process_request(
@@ -110,26 +113,43 @@ class LLMEngine:
             rid, request.prompt, request.prompt_token_ids, request.params
         )
         for child_id, child_params in children:
-            self.scheduler.add_request(
-                Request(
-                    child_id,
-                    request.prompt_token_ids,
-                    child_params,
-                    child_params.eos_token_id,  # set by the admission path
-                    arrival_time=request.arrival_time,
-                    priority=request.priority,
-                )
+            child = Request(
+                child_id,
+                request.prompt_token_ids,
+                child_params,
+                child_params.eos_token_id,  # set by the admission path
+                arrival_time=request.arrival_time,
+                priority=request.priority,
             )
+            if child_params.structured_outputs is not None:
+                self.structured.submit(child)  # enters the scheduler once compiled
+            else:
+                self.scheduler.add_request(child)
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The structured-output manager, built on first use (it reads the whole vocabulary)."""
+        if self._structured is None:
+            m = self.config.model
+            stops = set(m.extra_stop_token_ids)
+            if m.eos_token_id is not None:
+                stops.add(m.eos_token_id)
+            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(stops))
+            self._structured = StructuredOutputManager(compiler)
+        return self._structured
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         child_ids = [c for rid in ids for c in self.output_processor.child_ids(rid)]
         self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        if self._structured is not None:
+            self._structured.remove(child_ids)
         for rid in ids:
             self.output_processor.drop(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        compiling = self._structured is not None and self._structured.num_pending > 0
+        return compiling or self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache; with `reset_running_requests`, running requests are
@@ -141,7 +161,15 @@ class LLMEngine:
         """One engine step; returns the requests that changed, as deltas."""
         if self._timed_out is not None and not self._timed_out_step_ended():
             return []
+        structured = self._structured
+        failed_compiles: list[EngineCoreOutput] = []
+        if structured is not None:
+            ready, failed_compiles = structured.take_ready()
+            for request in ready:
+                self.scheduler.add_request(request)
         so = self.scheduler.schedule()
+        if structured is not None:
+            so.grammar_masks = structured.fill(so)  # filled while the forward pass runs
         try:
             runner_out = self.watchdog.run(lambda: self.runner.execute_model(so))
         except StepTimeoutError as e:
@@ -160,14 +188,21 @@ class LLMEngine:
             logger.error("step failed (error id %s)\n%s", error_id, traceback.format_exc())
             self.runner.discard_step(so)
             runner_out = _all_failed(so, f"the model step failed (error id {error_id})")
+        if structured is not None:
+            structured.report_broken(so, runner_out)
         self.metrics.inc("impasto:step_failed_requests", len(runner_out.failed_req_ids))
         core_outputs = self.scheduler.update_from_output(so, runner_out)
+        if structured is not None:
+            structured.accept(core_outputs)
+        core_outputs += failed_compiles
         self._count_prompt_tokens(so)
         self.metrics.observe_scheduler(self.scheduler.make_stats())
         self.metrics.add_counters(self.runner.take_stats())
         outputs, stopped = self.output_processor.process(core_outputs)
         # A stop string ended these: finish them in the scheduler too.
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if structured is not None:
+            structured.remove(stopped)
         for out in core_outputs:
             self.metrics.inc("impasto:generation_tokens", len(out.new_token_ids))
             if out.finished or out.req_id in stopped:

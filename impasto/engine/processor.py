@@ -25,6 +25,7 @@ import msgspec
 
 from impasto import limits
 from impasto.config.model import ModelConfig
+from impasto.engine.structured import grammar
 from impasto.errors import InvalidParameterError
 from impasto.sampling_params import SamplingParams, is_valid_text, show
 
@@ -231,6 +232,13 @@ class InputProcessor:
             )
         if m.is_diffusion:
             self._check_diffusion(params)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "structured_outputs",
+                    "structured outputs need a tokenizer (skip_tokenizer_init).",
+                )
+            grammar.check(params.structured_outputs)  # a bad schema / grammar: refused here
 
     @staticmethod
     def _check_diffusion(params: SamplingParams) -> None:

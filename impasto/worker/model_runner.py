@@ -26,6 +26,7 @@ from impasto.worker.request_state import Phase, RequestState
 from impasto.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
 from impasto.worker.sampling_ops import finite_rows
 from impasto.worker.spec_decode import Proposer, RejectionSampler, StepResult
+from impasto.worker.token_masks import apply_token_masks, resolve
 
 
 class ModelRunner:
@@ -147,6 +148,9 @@ class ModelRunner:
             idx = torch.tensor(logits_idx, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
             failed = self._fail_non_finite(logits, req_ids, sample_plan)
+            masks = resolve(so.grammar_masks)  # filled while the forward pass ran
+            if masks is not None:  # after the finite check: masked logits are -inf
+                apply_token_masks(logits, masks, req_ids, sample_plan)
             sampling = self._sampling_metadata(req_ids, rows, sample_plan, spec)
             num_accepted = None
             if any(req_ids[b] in spec for b, _, _ in sample_plan):

@@ -24,11 +24,14 @@ from impasto.engine.processor import EngineRequest, InputProcessor
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from impasto.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from impasto.entrypoints.openai.structured import structured_outputs_of
 from impasto.errors import InvalidParameterError
 from impasto.sampling_params import SamplingParams, show
 
 # Request fields an endpoint maps itself (different names or meaning per endpoint).
-_ENDPOINT_FIELDS = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "detokenize"})
+_ENDPOINT_FIELDS = frozenset(
+    {"max_tokens", "logprobs", "prompt_logprobs", "detokenize", "structured_outputs"}
+)
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI reports this floor
 
 
@@ -86,6 +89,9 @@ class ServerState:
                 values[name] = given[name]
         values["logprobs"] = logprobs
         values["max_tokens"] = max_tokens
+        constraint = structured_outputs_of(given)
+        if constraint is not None:
+            values["structured_outputs"] = constraint
         return SamplingParams.from_fields(values)
 
     def admit(

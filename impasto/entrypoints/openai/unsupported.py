@@ -36,21 +36,10 @@ def _one_of(*allowed: Any) -> IsNoOp:
     return lambda value: value is None or value in allowed
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, Mapping) and value.get("type") == "text")
-
-
 # Fields of both /v1/completions and /v1/chat/completions.
 SAMPLING: dict[str, IsNoOp] = {
-    "response_format": _text_format,
-    "structured_outputs": _unset,
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "guided_json_object": _off,
-    "guided_decoding_backend": _unset,
-    "guided_whitespace_pattern": _unset,
+    # Structured outputs run on llguidance: another backend is not silently swapped in.
+    "guided_decoding_backend": _one_of("auto", "llguidance", "guidance"),
     "structural_tag": _unset,
     "use_beam_search": _off,
     "length_penalty": _one_of(1, 1.0),
