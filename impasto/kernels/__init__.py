@@ -31,6 +31,9 @@ work on float32 logits whatever the model dtype, so the diffusion runner uses th
 dtype on CPU. Its grid-snapped logits and argmax equal the eager path's bit for bit; sums run
 in double, so probabilities and entropies agree to float rounding (tests/kernels).
 
+`token_mask_ops.cpp`: structured outputs' grammar bitmasks applied to float32 / bfloat16 logits
+in place, whatever the model dtype (the eager fallback unpacks the bits with numpy).
+
 `load()` builds the library once per source, flags, torch version and CPU kind (about 20 s,
 cached under the user cache directory) and returns the op namespace, or None when disabled
 (`IMPASTO_CPU_KERNELS=0`) or when no compiler is available (the eager path is used then, with a
@@ -58,6 +61,7 @@ SOURCES = (
     _DIR / "diffusion_ops.cpp",
     _DIR / "quant_ops.cpp",
     _DIR / "quant_x8.cpp",
+    _DIR / "token_mask_ops.cpp",
 )
 HEADERS = (
     _DIR / "vec_math.h",

@@ -10,11 +10,14 @@ constrained distribution, as vLLM does); rows of unconstrained requests are left
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from llguidance.torch import apply_token_bitmask_inplace
+
+from impasto import kernels
 
 
 @dataclass
@@ -45,8 +48,26 @@ def apply_token_masks(
             src.extend(range(row0, row0 + k))
     if not dst:
         return
-    dst_t = torch.tensor(dst, device=logits.device)
-    rows = logits.index_select(0, dst_t)  # [M, V]
-    bits = masks.bitmask.index_select(0, torch.tensor(src)).to(logits.device)  # [M, V/32]
-    apply_token_bitmask_inplace(rows, bits)
-    logits.index_copy_(0, dst_t, rows)
+    # One mask row per logits row; unconstrained rows allow everything (all bits set).
+    full = torch.full((logits.shape[0], masks.bitmask.shape[1]), -1, dtype=torch.int32)
+    full[torch.tensor(dst)] = masks.bitmask[torch.tensor(src)]
+    apply_bitmask_(logits, full)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits `[N, V]` (in place), bitmask `[N, W]` int32: refused tokens become -inf."""
+    ops = kernels.load() if logits.device.type == "cpu" else None
+    if (
+        ops is not None
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+    ):
+        ops.apply_token_bitmask_(logits, bitmask)
+        return
+    assert sys.byteorder == "little"  # bit k of an int32 word is bit k % 8 of byte k // 8
+    n, v = logits.shape
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [N, 32W]
+    allowed = torch.zeros((n, v), dtype=torch.bool)
+    width = min(v, bits.shape[1])
+    allowed[:, :width] = torch.from_numpy(bits[:, :width]).bool()
+    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
