@@ -61,6 +61,8 @@ class RequestDelta(msgspec.Struct):
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # Once per request (`prompt_logprobs`): one entry per prompt position, the first None.
+    prompt_logprobs: list[list[LogprobEntry] | None] | None = None
 
 
 class RequestError(msgspec.Struct):
@@ -111,8 +113,16 @@ def to_wire(out: RequestOutput) -> RequestDelta:
         )
         for c in out.outputs
     ]
+    prompt_lps = None
+    if out.prompt_logprobs is not None:
+        prompt_lps = [None if p is None else _entries(p) for p in out.prompt_logprobs]
     return RequestDelta(
-        out.request_id, comps, out.finished, len(out.prompt_token_ids), out.num_cached_tokens
+        out.request_id,
+        comps,
+        out.finished,
+        len(out.prompt_token_ids),
+        out.num_cached_tokens,
+        prompt_lps,
     )
 
 

@@ -99,9 +99,10 @@ def test_packed_weights_stay_close_to_transformers(gguf, hf_model):
         assert greedy == int(ref.argmax())
         assert abs(entry[greedy].logprob - float(ref[greedy])) < 0.05
         diffs = [abs(lp.logprob - float(ref[t])) for t, lp in entry.items()]
-        # measured: <= 0.012 on the greedy token, <= 0.29 on the 5th-ranked ones (rarer tokens
-        # move more under 8-bit activations); a wrong block layout moves them by whole nats
-        assert max(diffs) < 0.4, diffs
+        # measured: <= 0.012 on the greedy token; on the rarer top-5 tokens, which move more
+        # under 8-bit activations, <= 0.29 on an AVX-512 machine and <= 0.50 on an AVX2 one
+        # (2026-12-05). A wrong block layout moves them by whole nats.
+        assert max(diffs) < 0.75, diffs
 
 
 def test_chat_answers_a_simple_question(llm):

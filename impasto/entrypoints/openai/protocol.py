@@ -77,6 +77,11 @@ class SamplingFields(OpenAIBase):
     priority: int = 0
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's; see SamplingParams
+    # vLLM's: log-probabilities of the prompt's tokens (top-N, -1: all), the token ids of the
+    # prompt and output in the response, tokens in logprobs as "token_id:<id>".
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -146,12 +151,18 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -188,6 +199,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -197,6 +209,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):

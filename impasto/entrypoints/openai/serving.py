@@ -22,6 +22,7 @@ from impasto.engine import ipc
 from impasto.engine.engine_client import AsyncEngineClient
 from impasto.engine.processor import EngineRequest, InputProcessor
 from impasto.entrypoints.openai.errors import APIError
+from impasto.entrypoints.openai.logprobs import TokenText
 from impasto.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from impasto.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from impasto.entrypoints.openai.structured import structured_outputs_of
@@ -32,7 +33,6 @@ from impasto.sampling_params import SamplingParams, show
 _ENDPOINT_FIELDS = frozenset(
     {"max_tokens", "logprobs", "prompt_logprobs", "detokenize", "structured_outputs"}
 )
-_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI reports this floor
 
 
 @dataclass
@@ -77,7 +77,11 @@ class ServerState:
             raise APIError("stream_options needs stream=true.", 400, "stream_options")
 
     def sampling_params(
-        self, req: SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams: every sampling field it sets (declared or passed as an
         extra, as `extra_body` does) goes through, type-checked by SamplingParams itself."""
@@ -89,6 +93,7 @@ class ServerState:
                 values[name] = given[name]
         values["logprobs"] = logprobs
         values["max_tokens"] = max_tokens
+        values["prompt_logprobs"] = prompt_logprobs
         constraint = structured_outputs_of(given)
         if constraint is not None:
             values["structured_outputs"] = constraint
@@ -109,20 +114,13 @@ class ServerState:
             max_tokens_fit=True,
         )
 
-    def token_str(self, token_id: int, decoded: str | None) -> str:
-        if decoded is not None:
-            return decoded
-        if self.tokenizer is not None:
-            return self.tokenizer.decode([token_id])
-        return str(token_id)
+    def token_text(self, req: SamplingFields) -> TokenText:
+        """How this request shows tokens in logprobs (`return_tokens_as_token_ids`)."""
+        return TokenText(self.tokenizer, bool(req.return_tokens_as_token_ids))
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def clamp_logprob(lp: float) -> float:
-    return lp if lp > _MIN_LOGPROB else _MIN_LOGPROB
 
 
 @dataclass
@@ -154,8 +152,12 @@ class PromptRun:
     choices: list[Choice] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # `prompt_logprobs`: one entry per prompt position (the first None), once it has come.
+    prompt_logprobs: list[list[ipc.LogprobEntry] | None] | None = None
 
     def apply(self, delta: ipc.RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if any(c.token_ids for c in delta.completions):
             self.timer.on_tokens()
         for c in delta.completions:

@@ -15,23 +15,20 @@ from fastapi.responses import JSONResponse, Response
 from impasto.engine import ipc
 from impasto.entrypoints.openai import unsupported
 from impasto.entrypoints.openai.errors import APIError
+from impasto.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from impasto.entrypoints.openai.metrics import RequestTimer
 from impasto.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    TopLogprob,
 )
 from impasto.entrypoints.openai.responses import ENGINE_FAILED, ChoiceChunks, EventStream, respond
 from impasto.entrypoints.openai.serving import (
     Choice,
     PromptRun,
     ServerState,
-    clamp_logprob,
     new_id,
     usage_of,
 )
@@ -78,30 +75,6 @@ def chat_prompt_ids(
     return state.tokenizer(text, add_special_tokens=False).input_ids
 
 
-def _logprobs(state: ServerState, choice: Choice, start: int, top_n: int) -> ChatLogprobs:
-    content = []
-    for tok, entries in zip(choice.token_ids[start:], choice.logprobs[start:], strict=False):
-        sampled = next((e for e in entries if e[0] == tok), (tok, -9999.0, 0, None))
-        text = state.token_str(tok, sampled[3])
-        top = [
-            TopLogprob(
-                token=(s := state.token_str(e[0], e[3])),
-                logprob=clamp_logprob(e[1]),
-                bytes=list(s.encode()),
-            )
-            for e in (entries if top_n < 0 else entries[:top_n])  # -1: the whole vocabulary
-        ]
-        content.append(
-            ChatTokenLogprob(
-                token=text,
-                logprob=clamp_logprob(sampled[1]),
-                bytes=list(text.encode()),
-                top_logprobs=top,
-            )
-        )
-    return ChatLogprobs(content=content)
-
-
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest, raw: Request
 ) -> Response:
@@ -128,7 +101,7 @@ async def create_chat_completion(
     logprobs = top_n if req.logprobs else None
     base_id = new_id("chatcmpl")
     try:
-        params = state.sampling_params(req, max_tokens, logprobs)
+        params = state.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
         request = state.admit(base_id, ids, params, req.priority)
     except InvalidParameterError as e:
         if e.param != "logprobs":
@@ -144,52 +117,74 @@ async def create_chat_completion(
             {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
             for c in run.choices
         ]
-        prelude = [{"choices": [{**r, "finish_reason": None} for r in roles]}]
+        prelude: list[dict[str, Any]] = [{"choices": [{**r, "finish_reason": None} for r in roles]}]
+        if req.return_token_ids:
+            prelude[0]["prompt_token_ids"] = run.request.prompt_token_ids
         events = EventStream(head, req.stream_options, _choice_chunks(state, req), prelude)
     response = await respond(state, raw, [run], events)
     if response is not None:
         return response
+    text_of = state.token_text(req)
     choices = []
     for c in run.choices:
         if c.finish_reason == "error":
             raise APIError(ENGINE_FAILED, 500)
+        lp = chat_logprobs(text_of, c.token_ids, c.logprobs, top_n) if req.logprobs else None
         choices.append(
             ChatChoice(
                 index=c.index,
                 message=ChatResponseMessage(content=c.text),
-                logprobs=_logprobs(state, c, 0, top_n) if req.logprobs else None,
+                logprobs=lp,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None,
             )
         )
+    prompt_ids = run.request.prompt_token_ids
     body = ChatCompletionResponse(
-        id=base_id, model=state.model_name, choices=choices, usage=usage_of([run])
+        id=base_id,
+        model=state.model_name,
+        choices=choices,
+        usage=usage_of([run]),
+        prompt_logprobs=None
+        if req.prompt_logprobs is None
+        else prompt_logprobs(text_of, run.prompt_logprobs, prompt_ids, req.prompt_logprobs),
+        prompt_token_ids=prompt_ids if req.return_token_ids else None,
     )
     return JSONResponse(body.model_dump())
 
 
 def _choice_chunks(state: ServerState, req: ChatCompletionRequest) -> ChoiceChunks:
     top_n = req.top_logprobs or 0
+    text_of = state.token_text(req)
 
     def chunks(i: int, run: PromptRun, delta: ipc.RequestDelta) -> list[dict[str, Any]]:
         out = []
         for c in delta.completions:
-            if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+            wants_ids = req.return_token_ids and c.token_ids
+            if (
+                not c.text
+                and c.finish_reason is None
+                and not (req.logprobs and c.token_ids)
+                and not wants_ids
+            ):
                 continue
             choice = run.choices[c.index]
             lp = None
             if req.logprobs:
                 start = len(choice.token_ids) - len(c.token_ids)
-                lp = _logprobs(state, choice, start, top_n).model_dump()
-            out.append(
-                {
-                    "index": c.index,
-                    "delta": {"content": c.text} if c.text else {},
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+                positions = choice.logprobs[start:]
+                lp = chat_logprobs(text_of, c.token_ids, positions, top_n).model_dump()
+            chunk: dict[str, Any] = {
+                "index": c.index,
+                "delta": {"content": c.text} if c.text else {},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.return_token_ids:
+                chunk["token_ids"] = c.token_ids
+            out.append(chunk)
         return out
 
     return chunks
