@@ -52,6 +52,7 @@ RESERVED_CHAT_TEMPLATE_KWARGS = frozenset(
         "conversation",
         "messages",
         "chat_template",
+        "tools",
         "tokenize",
         "add_generation_prompt",
         "return_dict",

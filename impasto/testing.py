@@ -263,12 +263,14 @@ class FaultInjector:
         return logits
 
 
-def save_byte_tokenizer(path: Any, eos_token: str = "<eos>") -> int:
+def save_byte_tokenizer(
+    path: Any, eos_token: str = "<eos>", chat_template: str | None = None
+) -> int:
     """Save a byte-level tokenizer without merges into the HF folder `path`: ids 0..255 are
     the bytes (GPT-2's byte-to-character alphabet), id 256 is `eos_token`. Any text encodes
     (one token per UTF-8 byte) and decodes back exactly, so tiny random checkpoints of
     vocabulary >= 257 can run text features (structured outputs, stop strings). Returns the
-    EOS id."""
+    EOS id. `chat_template`: saved with it (a Jinja chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -279,6 +281,8 @@ def save_byte_tokenizer(path: Any, eos_token: str = "<eos>") -> int:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
     fast.add_special_tokens({"eos_token": eos_token})
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return int(fast.eos_token_id)
 

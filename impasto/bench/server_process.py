@@ -20,15 +20,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.3) -> bool:
+def wait_healthy(
+    proc: subprocess.Popen, url: str, timeout_s: float, poll_s: float = 0.3, verify: bool = True
+) -> bool:
     """Wait until `url`/health answers 200: True; False on timeout. Raises RuntimeError when
-    the process exits first."""
+    the process exits first. `verify=False`: accept a self-signed certificate (https)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited during startup (code {proc.returncode})")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from impasto.config import generation
 from impasto.config.observability import ObservabilityConfig
 from impasto.config.parallel import ParallelConfig
 from impasto.config.speculative import SpeculativeConfig
@@ -54,6 +55,10 @@ class EngineArgs:
     # longer fails its requests; one still running 4 deadlines later ends the engine.
     step_timeout_s: float | None = 300.0
     max_waiting_requests: int | None = None  # bound on the waiting queue (None: unbounded)
+    # Where sampling defaults come from: "auto" (the model's), "vllm" (none) or a folder with a
+    # generation_config.json; overrides are laid over them (config/generation.py).
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, message: str) -> InvalidParameterError:
@@ -94,6 +99,9 @@ class EngineArgs:
             raise bad("step_timeout_s", f"step_timeout_s must be >= 0 seconds, got {t!r}.")
         if t == 0:
             object.__setattr__(self, "step_timeout_s", None)  # 0: no deadline
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad("generation_config", "generation_config must be auto, vllm or a folder.")
+        generation.check_overrides(self.override_generation_config)
         self.parallel_config()  # validates tensor_parallel_size and num_threads
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(self.speculative_config)

@@ -8,6 +8,7 @@ process and, sent over with the `Ready` message, in the API process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from impasto.errors import InvalidParameterError
 
@@ -24,6 +25,8 @@ class ModelConfig:
     is_diffusion: bool = False
     image_token_id: int | None = None  # a multimodal checkpoint's image placeholder (refused)
     max_logprobs: int = 20  # -1: no cap
+    # SamplingParams defaults for fields a request leaves unset (config/generation.py).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -18,9 +18,11 @@ from impasto.config import (
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    generation,
 )
 from impasto.config.speculative import check_draft_compat, check_target_compat
 from impasto.errors import InvalidParameterError
+from impasto.loader.generation_defaults import model_generation_defaults
 from impasto.loader.gguf_loader import release_gguf_readers
 from impasto.loader.model_loader import load_config, load_model
 from impasto.loader.packaged_models import resolve_model
@@ -31,6 +33,7 @@ from impasto.loader.tokenizer import (
     load_tokenizer,
 )
 from impasto.models.interface import CausalLM, DiffusionLM
+from impasto.sampling_params import SamplingParams
 from impasto.worker.device_prep import prepare_for_device
 from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.kv_cache import kv_cache_bytes_per_block
@@ -213,6 +216,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
         is_diffusion=dcfg is not None,
         image_token_id=getattr(model, "image_token_id", None),
         max_logprobs=args.max_logprobs,
+        generation_defaults=_generation_defaults(args, path),
     )
     engine_config = EngineConfig(
         model=model_config,
@@ -223,6 +227,22 @@ def build_components(args: EngineArgs) -> EngineComponents:
         diffusion=dcfg,
     )
     return EngineComponents(engine_config, path, config, tokenizer, runner)
+
+
+def _generation_defaults(args: EngineArgs, path: Path) -> dict[str, Any]:
+    """The model's sampling defaults with the overrides laid over them, checked as a whole
+    (a bad value names `generation_config`, or the override that set it)."""
+    defaults = model_generation_defaults(path, args.generation_config)
+    overrides = generation.check_overrides(args.override_generation_config)
+    merged = {**defaults, **overrides}
+    try:
+        SamplingParams.from_fields(merged)
+    except InvalidParameterError as e:
+        param = "override_generation_config" if e.param in overrides else "generation_config"
+        raise InvalidParameterError(param, f"{param}: {e.message}") from None
+    if merged:
+        logger.info("impasto: sampling defaults for unset fields: %s", merged)
+    return merged
 
 
 def _load_draft(

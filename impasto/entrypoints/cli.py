@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from impasto.entrypoints.vllm_flags import add_vllm_serve_flags
+
 
 def _json_arg(text: str) -> dict:
     try:
@@ -157,13 +159,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from impasto.sampling_params import SamplingParams
 
     prompts = args.prompts or ["Write a haiku about paint."]
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed
-    )
+
+    def params_for(defaults: dict) -> SamplingParams:
+        """The model's generation defaults, then what the command line sets."""
+        values = {**defaults, "max_tokens": args.max_tokens, "seed": args.sampling_seed}
+        if args.temperature is not None:
+            values["temperature"] = args.temperature
+        return SamplingParams.from_fields(values)
+
     if len(prompts) > 1:  # a batch: run together, print each when all are done
         from impasto.entrypoints.llm import LLM
 
         llm = LLM(_model(args), **_engine_kwargs(args))
+        params = params_for(llm.llm_engine.config.model.generation_defaults)
         start = time.perf_counter()
         if _raw_completion(args, llm.get_tokenizer()):
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -177,6 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"### {prompt}\n{out.outputs[0].text.strip()}\n")
     else:  # one prompt: stream it to the terminal
         engine = _make_engine(args)
+        params = params_for(engine.config.model.generation_defaults)
         conv = [{"role": "user", "content": prompts[0]}]
         raw = _raw_completion(args, engine.tokenizer)
         prompt = {"prompt": prompts[0]} if raw else _chat_prompt(engine, conv)
@@ -277,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from impasto.config.engine_args import EngineArgs
     from impasto.entrypoints.openai.app import CorsSettings
     from impasto.entrypoints.openai.server import ServeConfig, run_server
+    from impasto.entrypoints.vllm_flags import resolve_vllm_serve_flags
 
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise SystemExit("impasto serve: --request-timeout must be a positive number of seconds")
@@ -289,7 +299,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"impasto serve: --allow-credentials: {e}") from None
-    engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
+    vllm = resolve_vllm_serve_flags(args)
+    engine_args = EngineArgs.from_kwargs(_model(args), **{**_engine_kwargs(args), **vllm.engine})
     cfg = ServeConfig(
         engine_args=engine_args,
         host=args.host,
@@ -302,6 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         request_timeout=args.request_timeout,
         cors=cors,
+        vllm=vllm,
     )
     return run_server(cfg)
 
@@ -362,12 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="allow credentialed cross-origin requests (not with the '*' origin)",
     )
+    add_vllm_serve_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="default: the model's (else 1.0)"
+    )
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     _add_engine_flags(gen)

@@ -22,6 +22,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (`generation_config`,
+        `override_generation_config`); what `generate` / `chat` use when given none."""
+        return SamplingParams.from_fields(self.llm_engine.config.model.generation_defaults)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -32,7 +37,7 @@ class LLM:
         """Run prompts to completion; outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -63,6 +68,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         tok = self.llm_engine.tokenizer
         if tok is None:
@@ -74,6 +80,7 @@ class LLM:
                 tok,
                 conv,
                 add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
                 **(chat_template_kwargs or {}),
             )
             # The template already carries the special tokens.

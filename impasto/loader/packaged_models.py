@@ -42,6 +42,9 @@ class PackagedModel:
     sha256: str
     description: str
     terms: str | None = None  # license terms shown before downloading
+    # Sampling defaults recommended for the model (its card), as generation_config.json keys:
+    # the files carry none, and a model folder's generation_config.json would hold these.
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def wheel_requirements(self) -> list[str]:
@@ -56,6 +59,14 @@ def _split(package: str, version: str, n: int, member: Callable[[int], str]) -> 
     )
 
 
+# Qwen2.5-Coder-Instruct's generation_config.json (the published HF folders).
+_QWEN_CODER_DEFAULTS = (
+    ("temperature", 0.7),
+    ("top_p", 0.8),
+    ("top_k", 20),
+    ("repetition_penalty", 1.05),
+)
+
 DEFAULT_MODEL = PackagedModel(
     name="smollm2-135m-instruct",
     filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -63,6 +74,9 @@ DEFAULT_MODEL = PackagedModel(
     size=98_362_432,
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     description="SmolLM2-135M-Instruct, Q4_1 (Llama; the default model)",
+    # The model card samples with temperature 0.2 and top-p 0.9; a 135M model also loops on
+    # its own phrases without a repetition penalty (llama.cpp's long-standing 1.1).
+    generation_defaults=(("temperature", 0.2), ("top_p", 0.9), ("repetition_penalty", 1.1)),
 )
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     m.name: m
@@ -75,6 +89,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Qwen2)",
+            generation_defaults=_QWEN_CODER_DEFAULTS,
         ),
         PackagedModel(
             name="qwen2.5-coder-1.5b-instruct",
@@ -83,6 +98,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Qwen2; same vocabulary as 0.5B)",
+            generation_defaults=_QWEN_CODER_DEFAULTS,
         ),
         PackagedModel(
             name="gemma-3-270m",
@@ -97,6 +113,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             description="Gemma-3-270m (pretrained, no chat template), Q4_K_M (Gemma 3)",
             terms=_GEMMA_TERMS,
+            generation_defaults=(("top_k", 64), ("top_p", 0.95)),  # Gemma 3's generation config
         ),
     )
 }
@@ -219,6 +236,15 @@ def ensure_model(
 def ensure_default_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The path of the verified default GGUF, downloading it on first use."""
     return ensure_model(DEFAULT_MODEL, cache_dir)
+
+
+def packaged_model_of(path: str | os.PathLike[str]) -> PackagedModel | None:
+    """The packaged model a resolved path is the cached file of, if any."""
+    p = Path(path)
+    for m in PACKAGED_MODELS.values():
+        if p.name == m.filename and p.is_file() and p.stat().st_size == m.size:
+            return m
+    return None
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:

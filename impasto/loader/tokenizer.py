@@ -178,13 +178,17 @@ def apply_chat_template(
     tok: PreTrainedTokenizerBase,
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
+    chat_template: str | None = None,
     **kwargs: Any,
 ) -> str:
-    """Render a conversation to the prompt string (not tokenized)."""
-    if tok is None or not getattr(tok, "chat_template", None):
+    """Render a conversation to the prompt string (not tokenized), with the model's chat
+    template or `chat_template` (a Jinja template) instead."""
+    if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
         raise ValueError(
             "this model has no chat template; use a completion prompt instead of chat messages"
         )
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     text = tok.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )

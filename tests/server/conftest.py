@@ -33,10 +33,11 @@ class Server:
     port: int
     log_path: Path
     api_key: str | None
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -73,6 +74,7 @@ def start_server(
     api_key: str | None = API_KEY,
     extra: list[str] = (),
     env: dict[str, str] | None = None,
+    scheme: str = "http",
 ) -> Server:
     """Start a server; `env` adds environment variables (IMPASTO_API_KEY is cleared unless
     given there, so the tests see only the keys they pass)."""
@@ -86,9 +88,9 @@ def start_server(
     env = dict(base, PYTHONUNBUFFERED="1", **(env or {}))
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes it; closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, port, log_path, api_key)
+    server = Server(proc, port, log_path, api_key, scheme)
     try:
-        healthy = wait_healthy(proc, server.url, STARTUP_TIMEOUT_S)
+        healthy = wait_healthy(proc, server.url, STARTUP_TIMEOUT_S, verify=scheme == "http")
     except RuntimeError as e:
         raise RuntimeError(f"{e}:\n{server.log()}") from None
     if not healthy:

@@ -1,6 +1,7 @@
 """No silent no-op: every vLLM field impasto does not implement is a 400 naming it when it asks
 for something, and accepted when it carries its no-op default (clients that send defaults keep
-working). Also `truncate_prompt_tokens` (implemented) and `stream_options` without `stream`."""
+working). Also `truncate_prompt_tokens` (implemented), malformed tool histories, and
+`stream_options` without `stream`."""
 
 from __future__ import annotations
 
@@ -13,31 +14,17 @@ CHAT_MSG = [{"role": "user", "content": "Hi"}]
 
 # A value that asks for something, per field.
 ASKING = {
-    "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {"type": "object"}},
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'",
-    "guided_json_object": True,
     "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ",
     "structural_tag": "{}",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "prompt_logprobs": 1,
     "logits_processors": ["x"],
-    "return_tokens_as_token_ids": True,
-    "return_token_ids": True,
     "cache_salt": "abc",
     "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
-    "chat_template": "{{ messages }}",
     "documents": [{"text": "x"}],
     "reasoning_effort": "low",
 }
@@ -74,14 +61,16 @@ def test_unsupported_field_is_a_400_naming_it(server, name):
         assert name not in unsupported.SAMPLING
 
 
-def test_message_fields_from_tool_histories_are_refused(server):
+def test_malformed_tool_histories_are_refused(server):
+    """Tool histories are implemented (tests/server/test_tools_and_reasoning.py); malformed
+    ones are a 400 naming the message field."""
     messages = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
     ]
     r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls"
-    messages = [{"role": "tool", "content": "sunny", "tool_call_id": "1"}]
+    messages = [{"role": "tool", "content": "sunny", "tool_call_id": 1}]
     r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].tool_call_id"
 

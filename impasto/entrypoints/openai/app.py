@@ -204,7 +204,13 @@ def build_app(
         if state.tokenizer is None:
             raise APIError("this server has no tokenizer.", 400)
         if req.messages is not None:
-            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+            ids = chat_prompt_ids(
+                state,
+                req.messages,
+                req.add_generation_prompt,
+                template_kwargs=req.chat_template_kwargs,
+                tools=req.tools,
+            )
         elif req.prompt is not None:
             state.check_text(req.prompt)
             ids = state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids

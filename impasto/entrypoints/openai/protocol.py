@@ -114,6 +114,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -130,6 +134,12 @@ class TokenizeRequest(OpenAIBase):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _no_reserved_kwargs = field_validator("chat_template_kwargs")(
+        ChatCompletionRequest._no_reserved_kwargs.__func__  # type: ignore[attr-defined]
+    )
 
 
 class DetokenizeRequest(OpenAIBase):
@@ -191,6 +201,10 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # The reasoning parser's split (vLLM names it `reasoning`, formerly `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -28,7 +28,10 @@ from impasto.config.engine_args import EngineArgs
 from impasto.engine.engine_client import AsyncEngineClient
 from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, CorsSettings, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
+from impasto.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from impasto.entrypoints.openai.serving import ServerState
+from impasto.entrypoints.openai.tool_parsers import get_tool_parser
+from impasto.entrypoints.vllm_flags import VllmServeOptions
 from impasto.loader.packaged_models import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, resolve_model
 
 logger = logging.getLogger("impasto")
@@ -50,6 +53,7 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds from arrival; None: no limit
     cors: CorsSettings | None = None  # None or no origins: CORS closed
     engine_death_grace_s: float = 2.0  # /health answers 503 this long before the exit
+    vllm: VllmServeOptions = field(default_factory=VllmServeOptions)  # vLLM's flags, resolved
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -68,7 +72,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def _banner(cfg: ServeConfig, name: str, port: int, engine_pid: int | None) -> str:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
-    url = f"http://{host}:{port}"
+    url = f"{'https' if cfg.vllm.ssl else 'http'}://{host}:{port}"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = " -H 'Authorization: Bearer <API key>'" if cfg.api_keys else ""  # never the key
     return (
@@ -105,6 +109,8 @@ async def serve(cfg: ServeConfig) -> int:
             tokenizer_task.cancel()
         raise
     tokenizer = await tokenizer_task if tokenizer_task is not None else None
+    if tokenizer is not None and cfg.vllm.chat_template is not None:
+        tokenizer.chat_template = cfg.vllm.chat_template  # --chat-template replaces the model's
     state = ServerState(
         client,
         tokenizer,
@@ -113,6 +119,13 @@ async def serve(cfg: ServeConfig) -> int:
         priority_scheduling=args.scheduling_policy == "priority",
     )
     state.request_timeout_s = cfg.request_timeout
+    state.trust_request_chat_template = cfg.vllm.trust_request_chat_template
+    state.log_requests = cfg.vllm.log_requests
+    state.enable_auto_tool_choice = cfg.vllm.enable_auto_tool_choice
+    if cfg.vllm.tool_call_parser is not None:
+        state.tool_parser = get_tool_parser(cfg.vllm.tool_call_parser)
+    if cfg.vllm.reasoning_parser is not None:
+        state.reasoning_parser = get_reasoning_parser(cfg.vllm.reasoning_parser)
     app = build_app(state, cfg.api_keys, cfg.max_body_bytes, cfg.cors)
 
     @contextlib.asynccontextmanager
@@ -123,10 +136,12 @@ async def serve(cfg: ServeConfig) -> int:
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(
         app,
-        log_level=cfg.log_level,
+        log_level=cfg.vllm.uvicorn_log_level or cfg.log_level,
         access_log=cfg.access_log,
         timeout_graceful_shutdown=int(cfg.shutdown_timeout),
         timeout_keep_alive=30,
+        root_path=cfg.vllm.root_path,
+        **cfg.vllm.ssl,
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it is done: make that harmless, so the

@@ -10,6 +10,7 @@ are `impasto.limits`; error messages echo at most `limits.MAX_ECHO_CHARS` of a r
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,9 +26,13 @@ from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.logprobs import TokenText
 from impasto.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from impasto.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from impasto.entrypoints.openai.reasoning_parsers import ReasoningParser
 from impasto.entrypoints.openai.structured import structured_outputs_of
+from impasto.entrypoints.openai.tool_parsers import ToolParser
 from impasto.errors import InvalidParameterError
 from impasto.sampling_params import SamplingParams, show
+
+logger = logging.getLogger("impasto")
 
 # Request fields an endpoint maps itself (different names or meaning per endpoint).
 _ENDPOINT_FIELDS = frozenset(
@@ -44,6 +49,11 @@ class ServerState:
     max_n: int = limits.MAX_N
     request_timeout_s: float | None = None  # generation requests are aborted past it (504)
     priority_scheduling: bool = False  # the engine's policy is "priority"
+    trust_request_chat_template: bool = False  # requests may carry a chat_template
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" is parsed by `tool_parser`
+    tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
+    log_requests: bool = False  # --enable-log-requests: one log line per admitted request
     processor: InputProcessor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +61,11 @@ class ServerState:
         self.processor = InputProcessor(
             self.client.model_config, self.tokenizer, self.priority_scheduling
         )
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        assert self.client.model_config is not None
+        return self.client.model_config.generation_defaults
 
     @property
     def model_name(self) -> str:
@@ -82,6 +97,7 @@ class ServerState:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        constraint: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams: every sampling field it sets (declared or passed as an
         extra, as `extra_body` does) goes through, type-checked by SamplingParams itself."""
@@ -91,10 +107,14 @@ class ServerState:
         for name in SamplingParams.user_fields():
             if name not in _ENDPOINT_FIELDS and given.get(name) is not None:
                 values[name] = given[name]
+        # The model's generation defaults fill what the request leaves unset.
+        for name, value in self.generation_defaults.items():
+            if name != "max_tokens" and given.get(name) is None:
+                values[name] = value
         values["logprobs"] = logprobs
         values["max_tokens"] = max_tokens
         values["prompt_logprobs"] = prompt_logprobs
-        constraint = structured_outputs_of(given)
+        constraint = constraint or structured_outputs_of(given)  # a tool choice's, or asked
         if constraint is not None:
             values["structured_outputs"] = constraint
         return SamplingParams.from_fields(values)
@@ -103,16 +123,26 @@ class ServerState:
         self, request_id: str, ids: list[int], params: SamplingParams, priority: int
     ) -> EngineRequest:
         """The admission path (the engine's own): an unset max_tokens means the rest of the
-        context, and one that does not fit is a 400 (OpenAI's rule)."""
+        context (at most the model's default `max_new_tokens`, if it has one), and one that
+        does not fit is a 400 (OpenAI's rule)."""
         if params.max_tokens is None:
-            params.max_tokens = max(self.client.max_model_len - len(ids), 1)
-        return self.processor.process(
+            room = max(self.client.max_model_len - len(ids), 1)
+            params.max_tokens = min(room, self.generation_defaults.get("max_tokens", room))
+        request = self.processor.process(
             request_id,
             {"prompt_token_ids": ids},
             params,
             priority=priority,
             max_tokens_fit=True,
         )
+        if self.log_requests:
+            logger.info(
+                "request %s: %d prompt tokens, params %s",
+                request_id,
+                len(request.prompt_token_ids),
+                {f: getattr(params, f) for f in params.non_default_fields()},
+            )
+        return request
 
     def token_text(self, req: SamplingFields) -> TokenText:
         """How this request shows tokens in logprobs (`return_tokens_as_token_ids`)."""

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from impasto.engine import ipc
 from impasto.entrypoints.openai import unsupported
+from impasto.entrypoints.openai.chat_output import ChatReaders, ChoiceStream, finish_reason, render
 from impasto.entrypoints.openai.errors import APIError
 from impasto.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs
 from impasto.entrypoints.openai.metrics import RequestTimer
@@ -32,6 +33,8 @@ from impasto.entrypoints.openai.serving import (
     new_id,
     usage_of,
 )
+from impasto.entrypoints.openai.structured import structured_outputs_of
+from impasto.entrypoints.openai.tools import history_message, plan_tools
 from impasto.entrypoints.openai.unsupported import reject_unsupported
 from impasto.errors import InvalidParameterError
 from impasto.loader.tokenizer import apply_chat_template
@@ -55,16 +58,22 @@ def chat_prompt_ids(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     truncating: bool = False,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     if state.tokenizer is None:
         raise APIError("chat needs a tokenizer.", 400, "messages")
-    conv = [{"role": m.role, "content": _content(m)} for m in messages]
+    conv = [history_message(i, m, _content(m)) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     if continue_final_message:
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
     try:
-        text = apply_chat_template(state.tokenizer, conv, add_generation_prompt, **kwargs)
+        text = apply_chat_template(
+            state.tokenizer, conv, add_generation_prompt, chat_template, **kwargs
+        )
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
@@ -83,6 +92,22 @@ async def create_chat_completion(
     for i, message in enumerate(req.messages):
         reject_unsupported(message.model_extra, unsupported.MESSAGE, f"messages[{i}].")
     state.check_stream_options(req)
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(
+            "'chat_template' in a request needs a server started with "
+            "--trust-request-chat-template.",
+            400,
+            "chat_template",
+        )
+    given = {**dict(req), **(req.model_extra or {})}
+    plan = plan_tools(
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        state.enable_auto_tool_choice,
+        other_constraint=structured_outputs_of(given) is not None,
+    )
+    readers = ChatReaders(plan, state.reasoning_parser, state.tool_parser)
     ids = chat_prompt_ids(
         state,
         req.messages,
@@ -90,6 +115,8 @@ async def create_chat_completion(
         req.continue_final_message,
         req.chat_template_kwargs,
         truncating=req.truncate_prompt_tokens is not None,
+        chat_template=req.chat_template,
+        tools=plan.tools,
     )
     # max_completion_tokens is the current name, max_tokens the deprecated one.
     max_tokens = req.max_completion_tokens
@@ -101,7 +128,9 @@ async def create_chat_completion(
     logprobs = top_n if req.logprobs else None
     base_id = new_id("chatcmpl")
     try:
-        params = state.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+        params = state.sampling_params(
+            req, max_tokens, logprobs, req.prompt_logprobs, constraint=plan.constraint
+        )
         request = state.admit(base_id, ids, params, req.priority)
     except InvalidParameterError as e:
         if e.param != "logprobs":
@@ -120,7 +149,8 @@ async def create_chat_completion(
         prelude: list[dict[str, Any]] = [{"choices": [{**r, "finish_reason": None} for r in roles]}]
         if req.return_token_ids:
             prelude[0]["prompt_token_ids"] = run.request.prompt_token_ids
-        events = EventStream(head, req.stream_options, _choice_chunks(state, req), prelude)
+        chunks = _choice_chunks(state, req, readers)
+        events = EventStream(head, req.stream_options, chunks, prelude)
     response = await respond(state, raw, [run], events)
     if response is not None:
         return response
@@ -130,12 +160,13 @@ async def create_chat_completion(
         if c.finish_reason == "error":
             raise APIError(ENGINE_FAILED, 500)
         lp = chat_logprobs(text_of, c.token_ids, c.logprobs, top_n) if req.logprobs else None
+        out = render(readers, c.text)
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=c.text),
+                message=ChatResponseMessage(**out.message()),
                 logprobs=lp,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason(readers, out.tool_calls, c.finish_reason),
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
             )
@@ -154,16 +185,24 @@ async def create_chat_completion(
     return JSONResponse(body.model_dump())
 
 
-def _choice_chunks(state: ServerState, req: ChatCompletionRequest) -> ChoiceChunks:
+def _choice_chunks(
+    state: ServerState, req: ChatCompletionRequest, readers: ChatReaders
+) -> ChoiceChunks:
     top_n = req.top_logprobs or 0
     text_of = state.token_text(req)
+    streams: dict[int, ChoiceStream] = {}
 
     def chunks(i: int, run: PromptRun, delta: ipc.RequestDelta) -> list[dict[str, Any]]:
         out = []
         for c in delta.completions:
+            stream = streams.setdefault(c.index, ChoiceStream(readers))
+            parts = stream.feed(c.text) if c.text else []
+            if c.finish_reason is not None:
+                parts += stream.finish()
+            message = _merged(parts)
             wants_ids = req.return_token_ids and c.token_ids
             if (
-                not c.text
+                not message
                 and c.finish_reason is None
                 and not (req.logprobs and c.token_ids)
                 and not wants_ids
@@ -177,9 +216,9 @@ def _choice_chunks(state: ServerState, req: ChatCompletionRequest) -> ChoiceChun
                 lp = chat_logprobs(text_of, c.token_ids, positions, top_n).model_dump()
             chunk: dict[str, Any] = {
                 "index": c.index,
-                "delta": {"content": c.text} if c.text else {},
+                "delta": message,
                 "logprobs": lp,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason(readers, stream.calls, c.finish_reason),
                 "stop_reason": c.stop_reason,
             }
             if req.return_token_ids:
@@ -188,3 +227,15 @@ def _choice_chunks(state: ServerState, req: ChatCompletionRequest) -> ChoiceChun
         return out
 
     return chunks
+
+
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The deltas of one step as one chunk delta: texts joined, tool-call entries listed."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == "tool_calls":
+                out.setdefault(key, []).extend(value)
+            else:
+                out[key] = out.get(key, "") + value
+    return out

@@ -51,18 +51,12 @@ SAMPLING: dict[str, IsNoOp] = {
 }
 CHAT: dict[str, IsNoOp] = {
     **SAMPLING,
-    "tools": _empty,
-    # Without tools, "auto" and "none" both mean plain text.
-    "tool_choice": _one_of("none", "auto"),
     "functions": _empty,
     "function_call": _one_of("none", "auto"),
-    "chat_template": _unset,
     "documents": _empty,
     "reasoning_effort": _unset,
 }
 MESSAGE: dict[str, IsNoOp] = {
-    "tool_calls": _empty,
-    "tool_call_id": _unset,
     "function_call": _unset,
 }
 
