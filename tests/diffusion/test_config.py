@@ -13,6 +13,7 @@ from impasto.engine.processor import InputProcessor
 from impasto.errors import InvalidParameterError
 from impasto.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from impasto.sampling_params import SamplingParams
+from impasto.structured_outputs import StructuredOutputsParams
 
 from .checkpoints import make_config
 from .harness import OneRequest
@@ -77,6 +78,7 @@ def test_supported_params_pass():
         ("logit_bias", {3: 1.0}),
         ("logprobs", 1),
         ("prompt_logprobs", 0),
+        ("structured_outputs", StructuredOutputsParams(regex="[a-z]+")),
     ],
 )
 def test_unsupported_params_are_refused_at_admission(param, value):

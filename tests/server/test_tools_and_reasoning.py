@@ -7,7 +7,9 @@ system turn, `<tool_call>` history, `enable_thinking`), started with
 - "auto" parses a hermes call out of the output, and the reasoning parser splits a think block
   off the answer, streamed and not (outputs forced with structured outputs: a random model
   writes neither by itself);
-- tools and tool histories reach the template; `enable_thinking: false` reaches it too."""
+- tools and tool histories reach the template; `enable_thinking: false` reaches it too;
+- the server speculates with n-gram drafts: a JSON-schema output over HTTP equals the offline
+  engine's without speculation (greedy)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ TOOLS = [
 ]  # fmt: skip
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C", "days": 2}}\n</tool_call>'  # noqa: E501
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
 THINK = "<think>\nThe user wants the capital.\n</think>\n\nParis."
 
 
@@ -82,8 +86,10 @@ def srv(tmp_path_factory):
         "--model", str(model), "--max-model-len", "2048", "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
         "--override-generation-config", '{"temperature": 0.0}', "--served-model-name", "tiny",
+        "--dtype", "float32", "--speculative-config", json.dumps(NGRAM),
     ]  # fmt: skip
     server = start_server(tmp, extra=flags)
+    server.model_path = model
     try:
         yield server
     finally:
@@ -194,3 +200,25 @@ def test_tools_and_histories_reach_the_template(srv):
     assert text.endswith("<think>\n\n</think>\n\n")
     r = _create(srv, messages=history, tools=TOOLS, tool_choice="none", max_tokens=5)
     assert r.choices[0].message.tool_calls in (None, [])
+
+
+def test_structured_output_with_ngram_speculation_equals_without(srv):
+    """The server drafts with n-grams (the prompt repeats JSON the schema allows and forbids);
+    the offline engine on the same checkpoint does not speculate: same greedy output."""
+    from impasto import LLM, SamplingParams, StructuredOutputsParams
+
+    messages = [{"role": "user", "content": '{"city":"Paris","unit":"C","days":3} ' * 3}]
+    schema = {"type": "array", "items": WEATHER_SCHEMA, "maxItems": 3}
+    r = _create(srv, messages=messages, extra_body={"structured_outputs": {"json": schema}})
+    llm = LLM(str(srv.model_path), dtype="float32", max_model_len=2048, num_threads=2)
+    so = StructuredOutputsParams(json=schema)
+    params = SamplingParams(temperature=0, max_tokens=200, structured_outputs=so)
+    (offline,) = llm.chat(messages, params, use_tqdm=False)
+    assert r.choices[0].message.content == offline.outputs[0].text
+    metrics = httpx.get(srv.url + "/metrics").text
+    drafted = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("impasto:spec_decode_num_draft_tokens")
+    ]
+    assert drafted and float(drafted[0].split()[-1]) > 0, drafted
