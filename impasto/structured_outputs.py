@@ -54,6 +54,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise InvalidParameterError(PARAM, f"{PARAM}.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidParameterError(PARAM, f"{PARAM}.json must be a JSON schema object.")
+        json_options = [
+            name
+            for name in ("disable_any_whitespace", "disable_additional_properties")
+            if getattr(self, name)
+        ] + (["whitespace_pattern"] if self.whitespace_pattern is not None else [])
+        if json_options and given[0] not in ("json", "json_object"):
+            raise InvalidParameterError(
+                PARAM,
+                f"{PARAM}.{json_options[0]} applies to JSON constraints only, not to {given[0]}.",
+            )
         if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES):
             raise InvalidParameterError(
                 PARAM, f"{PARAM}.choice must hold 1 to {MAX_CHOICES} strings."

@@ -158,6 +158,7 @@ def test_ngram_speculation_gives_the_same_constrained_output(model, seed):
         dict(grammar="root ::= ("),
         dict(choice=[]),
         dict(json={"type": "object"}, regex="a"),
+        dict(regex="a+", disable_any_whitespace=True),
         dict(),
     ],
 )

@@ -49,7 +49,8 @@ def vllm_server(tmp_path_factory):
         "--override-generation-config", '{"temperature": 0.0}',
         "--served-model-name", "smol", "smol-alias", "--tensor-parallel-size", "1",
         "--pipeline-parallel-size", "1", "--kv-cache-dtype", "auto",
-        "--ssl-keyfile", key, "--ssl-certfile", cert,
+        "--ssl-keyfile", key, "--ssl-certfile", cert, "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
     ]  # fmt: skip
     srv = start_server(tmp, api_key=KEY, extra=line, scheme="https")
     try:

@@ -77,10 +77,14 @@ def structured_outputs_of(fields: Mapping[str, Any]) -> dict[str, Any] | None:
         raise InvalidParameterError(
             found[1][0], f"{found[0][0]} and {found[1][0]} both constrain the output: use one."
         )
-    if not found:
-        return None
-    name, spec = found[0]
     pattern = fields.get("guided_whitespace_pattern")
+    if not found:
+        if pattern is not None:
+            raise InvalidParameterError(
+                "guided_whitespace_pattern", "guided_whitespace_pattern needs a JSON constraint."
+            )
+        return None
+    _, spec = found[0]
     if pattern is not None:
         spec.setdefault("whitespace_pattern", pattern)
     return spec
