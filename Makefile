@@ -2,13 +2,17 @@
 PY ?= python3
 PROMPT ?= Write a haiku about paint.
 LOCK := requirements/lock.txt
+PIP_LOCK := requirements/pip-lock.txt
 PIP := $(PY) -m pip --quiet --disable-pip-version-check
 
 .PHONY: install run test lint format bench lock test-latest
 
 install:
 	# Every dependency from the committed lock: exact versions, checked against their hashes
-	# (torch is the CPU build). Then impasto itself, which adds nothing unlocked.
+	# (torch is the CPU build). pip itself first, from the same lock (a fresh virtualenv's pip
+	# refuses the lock's extras of transitive dependencies). Then impasto itself, which adds
+	# nothing unlocked.
+	$(PIP) install --require-hashes -r $(PIP_LOCK)
 	$(PIP) install --require-hashes -r $(LOCK)
 	$(PIP) install --no-deps --no-build-isolation -e .
 
@@ -36,9 +40,13 @@ lock:
 	# Refresh the lock from pyproject.toml and requirements/lock-inputs.txt (newest releases
 	# that satisfy them), with hashes. Commit the result after `make test` passes on it.
 	$(PIP) install pip-tools
-	$(PY) -m piptools compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	$(PY) -m piptools compile --quiet --generate-hashes --allow-unsafe \
 		--no-emit-index-url --no-emit-find-links --extra test -o $(LOCK) \
 		pyproject.toml requirements/lock-inputs.txt
+	# pip's own pin and hashes, as the first step of `make install` reads them
+	$(PY) -c "import re, sys; t = open('$(LOCK)').read(); \
+		m = re.search(r'^pip==.*?(?=^\S)', t, re.M | re.S); \
+		open('$(PIP_LOCK)', 'w').write('# pip, from $(LOCK) (make lock)\n' + m.group(0))"
 
 test-latest:
 	# Not in CI: the suite against the newest releases pyproject.toml allows, in a fresh
