@@ -251,12 +251,26 @@ template <typename T>
 void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, const int64_t* bt,
             int64_t bts, const int64_t* qsl, const int64_t* seq, const bool* causal, T* out,
             int64_t num_reqs, const AttnArgs& a) {
-  const int64_t g = a.hq / a.hkv, d = a.d, row = a.hkv * d;  // row: one slot's K (or V)
+  const int64_t d = a.d, row = a.hkv * d;  // row: one slot's K (or V)
+  // Few (request, KV head) items (a batch-1 decode: 3 on SmolLM2 for 2 threads, one thread
+  // doing two) leave threads idle, so then each item takes a part of the G query heads: every
+  // query row is computed on its own (above), so how rows are grouped changes no bit.
+  const int64_t parts = num_reqs * a.hkv >= 4 * at::get_num_threads() ? 1 : a.hq / a.hkv;
+  const int64_t g = a.hq / a.hkv / parts;  // query heads per item
   const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, num_reqs * a.hkv, 1, [&](int64_t lo, int64_t hi) {
+  // K/V rows of one head are `row` elements apart and scattered over blocks: fetching a few
+  // rows ahead lets the loads of a decode step (the cache is cold after the weights stream
+  // through) overlap instead of waiting on memory one row at a time.
+  constexpr int64_t kAhead = 32;
+  auto prefetch_row = [&](const T* base, int64_t b, int64_t k, int64_t h) {
+    const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
+    const char* p = reinterpret_cast<const char*>(base + slot * row + h * d);
+    for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  };
+  at::parallel_for(0, num_reqs * a.hkv * parts, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, sc, acc, denom, kv(d);
     for (int64_t item = lo; item < hi; ++item) {
-      const int64_t b = item / a.hkv, h = item % a.hkv;
+      const int64_t b = item / (a.hkv * parts), h = item / parts % a.hkv, part = item % parts;
       const int64_t req_start = qsl[b], req_qlen = qsl[b + 1] - req_start, len = seq[b];
       // Query tiles bound the scores buffer (tile * G * len floats) for long prompts.
       for (int64_t tile = 0; tile < req_qlen; tile += kQueryTile) {
@@ -269,7 +283,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
       const float scale = (float)a.scale;
       for (int64_t i = 0; i < qlen; ++i)
         for (int64_t j = 0; j < g; ++j) {
-          const T* src = q + (start + i) * qts + (h * g + j) * qhs;
+          const T* src = q + (start + i) * qts + (h * g * parts + part * g + j) * qhs;
           float* dst = qf.data() + (i * g + j) * d;
           for (int64_t e = 0; e < d; ++e) dst[e] = to_f(src[e]) * scale;
         }
@@ -290,7 +304,10 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
         all_lo = std::min(all_lo, klo);
         all_hi = std::max(all_hi, khi);
       }
+      for (int64_t k = all_lo; k < std::min(all_lo + kAhead, all_hi); ++k) prefetch_row(kc, b, k, h);
       for (int64_t k = all_lo; k < all_hi; ++k) {  // scores: one K row feeds every query row
+        if (k + kAhead < all_hi) prefetch_row(kc, b, k + kAhead, h);
+        else if (all_lo + k + kAhead - all_hi < all_hi) prefetch_row(vc, b, all_lo + k + kAhead - all_hi, h);  // first V rows
         const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
         load_row(kc + slot * row + h * d, kv.data(), d);
         for (int64_t r = 0; r < nrows; ++r) {
@@ -319,6 +336,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
         }
       }
       for (int64_t k = all_lo; k < all_hi; ++k) {  // P @ V: one V row feeds every query row
+        if (k + kAhead < all_hi) prefetch_row(vc, b, k + kAhead, h);
         const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
         load_row(vc + slot * row + h * d, kv.data(), d);
         for (int64_t r = 0; r < nrows; ++r) {
@@ -332,7 +350,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
         for (int64_t j = 0; j < g; ++j) {
           const int64_t r = i * g + j;
           const float inv = 1.0f / denom[r];
-          T* dst = out + (start + i) * a.hq * d + (h * g + j) * d;
+          T* dst = out + (start + i) * a.hq * d + (h * g * parts + part * g + j) * d;
           for (int64_t e = 0; e < d; ++e) dst[e] = from_f<T>(acc[r * d + e] * inv);
         }
       }  // query tiles
