@@ -152,6 +152,21 @@ inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// Without VNNI a dot product is two multiplies (maddubs to int16 pairs, madd to int32). Where a
+// caller's bounds keep a sum of several maddubs results within int16 (each pair sum is at most
+// 2 * max|u| * 127: 3,810 for 4-bit u, 7,874 for 5-bit, 16,002 for 6-bit), it adds them in
+// int16 and widens once, by madd with the sub-block's scale or with ones: half the multiplies,
+// and the integer sums are exactly those of dot_acc.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+constexpr bool kSum16 = false;
+#else
+constexpr bool kSum16 = true;
+#endif
+inline __m256i pairs16(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+// int32 lanes (x, x) -> int16 pairs (x, x): a per-lane scale for madd.
+inline __m256i scale_pairs(__m256i lanes32) { return _mm256_or_si256(lanes32, _mm256_slli_epi32(lanes32, 16)); }
+
 // As dot_lanes, lanes 0-3 (values 0-15) times `a`, lanes 4-7 (values 16-31) times `b`.
 inline __m256i dot_lanes_scaled(__m256i u, __m256i s, int a, int b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)

@@ -175,6 +175,35 @@ struct Dot32 {
           const __m256i v = load32(blk.qs[g]), u = _mm256_sign_epi8(v, v);
           for (int t = 0; t < NX; ++t) ia[t] = dot_acc(ia[t], u, _mm256_sign_epi8(bcast4(x[t][b].q + 4 * g), v));
         }
+      } else if constexpr (kSum16) {
+        // 4 groups x (low, high) of 4-bit values: 8 maddubs sums <= 30,480 in int16; 5-bit
+        // values: the lows and the highs in two sums (4 x 7,874 each).
+        [[maybe_unused]] __m256i qh;
+        if constexpr (kFifth) qh = load32(blk.qh);
+        __m256i s16[NX], h16[NX];
+        for (int t = 0; t < NX; ++t) s16[t] = h16[t] = _mm256_setzero_si256();
+        auto group = [&]<int G>() __attribute__((always_inline)) {
+          const __m256i v = load32(blk.qs[G]);
+          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          if constexpr (kFifth) {
+            lo = _mm256_or_si256(lo, shift_bits<2 * G - 4>(qh, 0x10));
+            hi = _mm256_or_si256(hi, shift_bits<2 * G + 1 - 4>(qh, 0x10));
+          }
+          for (int t = 0; t < NX; ++t) {
+            const int8_t* q = x[t][b].q + 4 * G;
+            s16[t] = _mm256_add_epi16(s16[t], pairs16(lo, bcast4(q)));
+            if constexpr (kFifth) h16[t] = _mm256_add_epi16(h16[t], pairs16(hi, bcast4(q + 16)));
+            else s16[t] = _mm256_add_epi16(s16[t], pairs16(hi, bcast4(q + 16)));
+          }
+        };
+        group.template operator()<0>();
+        group.template operator()<1>();
+        group.template operator()<2>();
+        group.template operator()<3>();
+        for (int t = 0; t < NX; ++t) {
+          ia[t] = widen16(s16[t]);
+          if constexpr (kFifth) ia[t] = _mm256_add_epi32(ia[t], widen16(h16[t]));
+        }
       } else {
         [[maybe_unused]] __m256i qh;
         if constexpr (kFifth) qh = load32(blk.qh);
@@ -224,6 +253,27 @@ struct Q4_KX8 {
       const X8Q4_K& blk = w[b];
       __m256i isum[NX];
       for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
+      if constexpr (kSum16) {
+        // Per sub-block, the 8 groups' maddubs sums of 4-bit values stay in int16 (8 x 3,810),
+        // then one madd by the 8 rows' scales widens and scales them.
+        for (int c = 0; c < 4; ++c) {
+          __m256i alo[NX], ahi[NX];
+          for (int t = 0; t < NX; ++t) alo[t] = ahi[t] = _mm256_setzero_si256();
+          for (int g = 0; g < 8; ++g) {
+            const __m256i v = load32(blk.qs[c][g]);
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            for (int t = 0; t < NX; ++t) {
+              const int8_t* q = x[t][b].q + 64 * c + 4 * g;
+              alo[t] = _mm256_add_epi16(alo[t], pairs16(lo, bcast4(q)));
+              ahi[t] = _mm256_add_epi16(ahi[t], pairs16(hi, bcast4(q + 32)));
+            }
+          }
+          const __m256i sl = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c]))));
+          const __m256i sh = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c + 1]))));
+          for (int t = 0; t < NX; ++t)
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(alo[t], sl), _mm256_madd_epi16(ahi[t], sh)));
+        }
+      } else
       for (int c = 0; c < 4; ++c) {
         __m256i alo[NX], ahi[NX];  // sub-blocks 2c and 2c + 1, unscaled
         for (int t = 0; t < NX; ++t) alo[t] = ahi[t] = _mm256_setzero_si256();
@@ -298,10 +348,47 @@ struct Q6_KX8 {
             isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(e0[t], s0), _mm256_mullo_epi32(e1[t], s1)));
         }
       };
-      chunk.template operator()<0>();
-      chunk.template operator()<1>();
-      chunk.template operator()<2>();
-      chunk.template operator()<3>();
+      // Without VNNI: two steps' maddubs sums of 6-bit values stay in int16 (2 x 16,002), then
+      // one madd by the scale group's int16 scales (duplicated in each lane) widens them.
+      auto chunk16 = [&]<int C>() __attribute__((always_inline)) {
+        const X8Q6_KChunk& ch = blk.ch[C];
+        const __m256i p0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.sc[2 * C])));
+        const __m256i p1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.sc[2 * C + 1])));
+        auto first = [](__m256i p) { return _mm256_blend_epi16(p, _mm256_slli_epi32(p, 16), 0xAA); };
+        auto second = [](__m256i p) { return _mm256_blend_epi16(_mm256_srli_epi32(p, 16), p, 0xAA); };
+        auto values = [&]<int G>(__m256i& lo, __m256i& hi) __attribute__((always_inline)) {
+          constexpr int f = 4 * (G % 2);
+          const __m256i v = load32(ch.ql[G]), h = load32(ch.qh[G / 2]);
+          lo = _mm256_or_si256(_mm256_and_si256(v, m4), shift_bits<f - 4>(h, 0x30));
+          hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), shift_bits<f - 2>(h, 0x30));
+        };
+        auto two = [&]<int G>(__m256i slo, __m256i shi) __attribute__((always_inline)) {  // steps G, G + 1
+          __m256i lo0, hi0, lo1, hi1;
+          values.template operator()<G>(lo0, hi0);
+          values.template operator()<G + 1>(lo1, hi1);
+          for (int t = 0; t < NX; ++t) {
+            const int8_t* q = x[t][b].q + 64 * C + 4 * G;
+            const __m256i l16 = _mm256_add_epi16(pairs16(lo0, bcast4(q)), pairs16(lo1, bcast4(q + 4)));
+            const __m256i h16 = _mm256_add_epi16(pairs16(hi0, bcast4(q + 32)), pairs16(hi1, bcast4(q + 36)));
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(l16, slo), _mm256_madd_epi16(h16, shi)));
+          }
+        };
+        two.template operator()<0>(first(p0), first(p1));
+        two.template operator()<2>(first(p0), first(p1));
+        two.template operator()<4>(second(p0), second(p1));
+        two.template operator()<6>(second(p0), second(p1));
+      };
+      if constexpr (kSum16) {
+        chunk16.template operator()<0>();
+        chunk16.template operator()<1>();
+        chunk16.template operator()<2>();
+        chunk16.template operator()<3>();
+      } else {
+        chunk.template operator()<0>();
+        chunk.template operator()<1>();
+        chunk.template operator()<2>();
+        chunk.template operator()<3>();
+      }
       // the -32 zero point: 32 * sum over groups s of scale_s * (sum of x in s)
       __m256i zp[NX];
       for (int t = 0; t < NX; ++t) zp[t] = _mm256_setzero_si256();
