@@ -159,6 +159,17 @@ inline __m256i shift_bits(__m256i v, uint8_t mask) {
   else return _mm256_and_si256(v, m);
 }
 
+// A thread's groups are one contiguous stream; at one activation row the kernels wait on it, so
+// each block asks for the bytes kAheadBytes further on (a later block, or the next group's).
+// Measured on AVX2 (2 threads, alternating runs): batch-1 decode +10 % on Qwen2.5-1.5B Q4_K_M,
+// +7 % on SmolLM2 Q4_1; 512-4096 bytes all help, 2048 the most.
+constexpr int64_t kAheadBytes = 2048;
+template <typename X>
+inline void prefetch_ahead(const X& blk) {
+  const char* p = reinterpret_cast<const char*>(&blk) + kAheadBytes;
+  for (size_t off = 0; off < sizeof(X); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 enum class Zero { kNone, k8, k16, kMin };  // Q8_0 | Q4_0 | Q5_0 | Q4_1, Q5_1
 
 template <int NX, typename X, Zero kZero, bool kFifth>
@@ -168,6 +179,7 @@ struct Dot32 {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
       const X& blk = w[b];
+      prefetch_ahead(blk);
       __m256i ia[NX];
       for (int t = 0; t < NX; ++t) ia[t] = _mm256_setzero_si256();
       if constexpr (std::is_same_v<X, X8Q8_0>) {
@@ -251,6 +263,7 @@ struct Q4_KX8 {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
       const X8Q4_K& blk = w[b];
+      prefetch_ahead(blk);
       __m256i isum[NX];
       for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
       if constexpr (kSum16) {
@@ -313,6 +326,7 @@ struct Q6_KX8 {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
       const X8Q6_K& blk = w[b];
+      prefetch_ahead(blk);
       __m256i isum[NX];
       for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
       auto chunk = [&]<int C>() __attribute__((always_inline)) {
