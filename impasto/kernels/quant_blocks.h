@@ -167,6 +167,17 @@ inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi1
 // int32 lanes (x, x) -> int16 pairs (x, x): a per-lane scale for madd.
 inline __m256i scale_pairs(__m256i lanes32) { return _mm256_or_si256(lanes32, _mm256_slli_epi32(lanes32, 16)); }
 
+// A sub-block's running sum of 4-bit products (int16 pairs without VNNI, int32 lanes with it),
+// and that sum times per-lane int32 scales, as int32 lanes.
+inline __m256i sub_acc(__m256i acc, __m256i u, __m256i s) {
+  if constexpr (kSum16) return _mm256_add_epi16(acc, pairs16(u, s));
+  else return dot_acc(acc, u, s);
+}
+inline __m256i sub_scaled(__m256i acc, __m256i scales32) {
+  if constexpr (kSum16) return _mm256_madd_epi16(acc, scale_pairs(scales32));
+  else return _mm256_mullo_epi32(acc, scales32);
+}
+
 // As dot_lanes, lanes 0-3 (values 0-15) times `a`, lanes 4-7 (values 16-31) times `b`.
 inline __m256i dot_lanes_scaled(__m256i u, __m256i s, int a, int b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)

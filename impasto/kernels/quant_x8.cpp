@@ -266,27 +266,9 @@ struct Q4_KX8 {
       prefetch_ahead(blk);
       __m256i isum[NX];
       for (int t = 0; t < NX; ++t) isum[t] = _mm256_setzero_si256();
-      if constexpr (kSum16) {
-        // Per sub-block, the 8 groups' maddubs sums of 4-bit values stay in int16 (8 x 3,810),
-        // then one madd by the 8 rows' scales widens and scales them.
-        for (int c = 0; c < 4; ++c) {
-          __m256i alo[NX], ahi[NX];
-          for (int t = 0; t < NX; ++t) alo[t] = ahi[t] = _mm256_setzero_si256();
-          for (int g = 0; g < 8; ++g) {
-            const __m256i v = load32(blk.qs[c][g]);
-            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            for (int t = 0; t < NX; ++t) {
-              const int8_t* q = x[t][b].q + 64 * c + 4 * g;
-              alo[t] = _mm256_add_epi16(alo[t], pairs16(lo, bcast4(q)));
-              ahi[t] = _mm256_add_epi16(ahi[t], pairs16(hi, bcast4(q + 32)));
-            }
-          }
-          const __m256i sl = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c]))));
-          const __m256i sh = scale_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c + 1]))));
-          for (int t = 0; t < NX; ++t)
-            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(alo[t], sl), _mm256_madd_epi16(ahi[t], sh)));
-        }
-      } else
+      // Per sub-block: without VNNI the 8 groups' maddubs sums of 4-bit values stay in int16
+      // (8 x 3,810) and one madd by the 8 rows' scales widens and scales them; with VNNI,
+      // dpbusd sums in int32 and mullo scales.
       for (int c = 0; c < 4; ++c) {
         __m256i alo[NX], ahi[NX];  // sub-blocks 2c and 2c + 1, unscaled
         for (int t = 0; t < NX; ++t) alo[t] = ahi[t] = _mm256_setzero_si256();
@@ -295,14 +277,14 @@ struct Q4_KX8 {
           const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
           for (int t = 0; t < NX; ++t) {
             const int8_t* q = x[t][b].q + 64 * c + 4 * g;
-            alo[t] = dot_acc(alo[t], lo, bcast4(q));
-            ahi[t] = dot_acc(ahi[t], hi, bcast4(q + 32));
+            alo[t] = sub_acc(alo[t], lo, bcast4(q));
+            ahi[t] = sub_acc(ahi[t], hi, bcast4(q + 32));
           }
         }
         const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c])));
         const __m256i sh = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c + 1])));
         for (int t = 0; t < NX; ++t)
-          isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_mullo_epi32(alo[t], sl), _mm256_mullo_epi32(ahi[t], sh)));
+          isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(sub_scaled(alo[t], sl), sub_scaled(ahi[t], sh)));
       }
       __m256i mn[4];  // int16 pairs (min 2i, min 2i + 1) per lane
       for (int i = 0; i < 4; ++i) mn[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.mn[i])));
