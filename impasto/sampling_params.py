@@ -147,6 +147,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     # The output must match a JSON schema, regex, choice or grammar (structured_outputs.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # Model-specific arguments (vLLM's name; `vllm_xargs` over HTTP): flat string keys with
+    # scalar values, checked at admission against what the model reads (block-diffusion
+    # models: their unmasking parameters); any other model refuses them.
+    extra_args: dict[str, Any] | None = None
     # Filled in by the engine from the tokenizer / generation config, not by users
     # (`ENGINE_FIELDS`).
     eos_token_id: int | None = None
@@ -277,6 +281,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     raise bad(name, f"must be >= 0 (or -1 for the whole vocab), got {value}.")
         assert isinstance(self.stop, list)
         check_size("stop", self.stop, limits.MAX_STOP_STRINGS)
+        if self.extra_args is not None:
+            scalars = (str, int, float, bool)
+            if not isinstance(self.extra_args, dict) or not all(
+                isinstance(k, str) and isinstance(v, scalars)
+                for k, v in self.extra_args.items()
+            ):
+                raise bad(
+                    "extra_args",
+                    f"must map strings to scalar values, got {show(self.extra_args)}.",
+                )
+            check_size("extra_args", self.extra_args, 64)
         for s in self.stop:
             check_text("stop", s, "string")
         check_token_ids("stop_token_ids", self.stop_token_ids or [], limits.MAX_STOP_TOKEN_IDS)

@@ -37,6 +37,11 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64, position of each query token
     slot_mapping: torch.Tensor  # [T] int64, cache slot to write; -1 = do not write
     block_table: torch.Tensor  # [B, max_blocks] int64
+    # Block-causal requests (masked block diffusion): [B] block size per request, 1 = plain
+    # (token-)causal. A query at position p of a request with block size K > 1 sees every key
+    # below (p // K + 1) * K: its own block bidirectionally and all blocks before it. None:
+    # every request is plain.
+    causal_block: list[int] | None = None
 
     @property
     def max_query_len(self) -> int:

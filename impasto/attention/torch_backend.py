@@ -189,7 +189,7 @@ class TorchAttentionBackend(AttentionBackend[Plan]):
             else:
                 k = torch.cat([kv[0, : r.ctx], k])
                 v = torch.cat([kv[1, : r.ctx], v])
-        is_causal = r.causal and r.ctx == 0 and window is None
+        is_causal = r.plain_causal and window is None
         o = sdpa(
             q.transpose(0, 1)[None],  # [1, Hq, Q, D]
             k.transpose(0, 1)[None],  # [1, Hkv, L, D]

@@ -35,9 +35,16 @@ def key_mask(
     causal: torch.Tensor,  # [B] bool
     num_keys: int,
     window: int | None,
+    block: int = 1,
 ) -> torch.Tensor:  # [B, Q, num_keys] bool, True = visible
+    """`block` > 1: block-causal (every request of the call): keys below the end of the
+    query's block are visible, i.e. its own block bidirectionally and all blocks before it."""
     key = torch.arange(num_keys, device=q_pos.device)
-    diff = q_pos[:, :, None] - key  # p - kp
+    if block > 1:
+        end = (torch.div(q_pos, block, rounding_mode="floor") + 1) * block  # [B, Q]
+        diff = end[:, :, None] - 1 - key  # >= 0: visible
+    else:
+        diff = q_pos[:, :, None] - key  # p - kp
     causal = causal[:, None, None]
     ok = (key < kv_len[:, None, None]) & ((diff >= 0) | ~causal)
     if window is not None:
@@ -132,10 +139,16 @@ class Long:
     causal: bool
     written: bool  # all new tokens written: read the whole sequence back from the cache
     block_ids: torch.Tensor  # blocks covering seq_len (written) or ctx (read-only)
+    block: int = 1  # > 1: block-causal with this block size (AttentionMetadata.causal_block)
     masks: dict = field(default_factory=dict)
 
+    @property
+    def plain_causal(self) -> bool:
+        """Top-left causal with no context: SDPA's is_causal, no mask tensor."""
+        return self.causal and self.ctx == 0 and self.block == 1
+
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-        if window is None and (not self.causal or self.ctx == 0):
+        if window is None and (not self.causal or self.plain_causal):
             return None  # fully visible, or plain top-left causal (SDPA is_causal)
         key = (window, dtype)
         if key not in self.masks:
@@ -143,7 +156,7 @@ class Long:
             q_pos = torch.arange(self.ctx, self.seq_len, device=dev)[None]
             kv = torch.tensor([self.seq_len], device=dev)
             causal = torch.tensor([self.causal], device=dev)
-            ok = key_mask(q_pos, kv, causal, self.seq_len, window)
+            ok = key_mask(q_pos, kv, causal, self.seq_len, window, self.block)
             self.masks[key] = additive(ok[:, None], dtype)  # [1, 1, Q, L]
         return self.masks[key]
 
@@ -210,7 +223,13 @@ def build_plan(meta: AttentionMetadata) -> Plan:
         write_rows = (~neg).nonzero().squeeze(1)
         write_slots = meta.slot_mapping[write_rows] if write_rows.numel() else None
 
-    short = [b for b in range(meta.num_reqs) if 0 < qlens[b] <= SHORT_QUERY_MAX and written[b]]
+    # Block-causal requests are attended alone (their masks are per block, not per token).
+    blk = meta.causal_block or [1] * meta.num_reqs
+    short = [
+        b
+        for b in range(meta.num_reqs)
+        if 0 < qlens[b] <= SHORT_QUERY_MAX and written[b] and blk[b] == 1
+    ]
     is_short = set(short)
     longs = []
     for b in range(meta.num_reqs):
@@ -219,13 +238,16 @@ def build_plan(meta: AttentionMetadata) -> Plan:
         ctx = slens[b] - qlens[b]
         n = -(-(slens[b] if written[b] else ctx) // bs)
         blocks = meta.block_table[b, :n]
-        longs.append(Long(starts[b], qlens[b], ctx, slens[b], meta.causal[b], written[b], blocks))
+        longs.append(
+            Long(starts[b], qlens[b], ctx, slens[b], meta.causal[b], written[b], blocks, blk[b])
+        )
 
     def build_groups() -> list[Group]:
         return [_build_group(meta, part, starts, dev, bs) for part in _split_short(meta, short)]
 
     all_short = len(short) == meta.num_reqs > 0
-    all_written = meta.num_reqs > 0 and all(written)
+    # The fused kernels know token-causal and bidirectional requests only.
+    all_written = meta.num_reqs > 0 and all(written) and max(blk) == 1
     causal_t = torch.tensor(meta.causal, device=dev) if all_written else None
     return Plan(write_slots, write_rows, build_groups, longs, all_short, causal_t)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from impasto.config.block_diffusion import BlockDiffusionConfig
 from impasto.errors import InvalidParameterError
 
 
@@ -23,6 +24,8 @@ class ModelConfig:
     # The model's other end-of-turn ids (generation config), stops unless ignore_eos.
     extra_stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     is_diffusion: bool = False
+    # Masked block diffusion (None: any other model): block size, mask id, unmasking defaults.
+    block_diffusion: BlockDiffusionConfig | None = None
     image_token_id: int | None = None  # a multimodal checkpoint's image placeholder (refused)
     max_logprobs: int = 20  # -1: no cap
     # SamplingParams defaults for fields a request leaves unset (config/generation.py).

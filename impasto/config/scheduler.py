@@ -33,6 +33,11 @@ class SchedulerConfig:
     # Bound on the requests waiting for a seat in the running batch (None: unbounded); a new
     # request that would exceed it is refused at admission (`QueueFullError`).
     max_waiting_requests: int | None = None
+    # Masked block diffusion: the model's block size (0: not such a model) and mask token. The
+    # scheduler prefills whole blocks (block-causal KV), starts each block's canvas as masks
+    # (the prompt's tail, if any, leads it) and hands the canvas on with the runner's output.
+    masked_block_size: int = 0
+    mask_token_id: int = -1
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -77,6 +82,20 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least the "
                 f"diffusion canvas length ({self.num_speculative_tokens}).",
             )
+        if self.masked_block_size:
+            if not self.is_diffusion or self.mask_token_id < 0:
+                raise InvalidParameterError(
+                    "masked_block_size",
+                    "masked block diffusion needs num_sampled_tokens_per_step = 0 and a "
+                    "mask_token_id.",
+                )
+            if self.max_num_batched_tokens < 2 * self.masked_block_size:
+                # A block's commit pass rides with the next block's first step: 2 blocks.
+                raise InvalidParameterError(
+                    "max_num_batched_tokens",
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                    f"twice the diffusion block size ({self.masked_block_size}).",
+                )
         capacity = (self.num_blocks - 1) * self.block_size
         if capacity < self.max_model_len:
             # Otherwise a long request could end up alone, unable to grow, preempting itself.

@@ -2,10 +2,17 @@
 
 One KV group, full attention, hash block size == block size. Token layout of a request when
 allocating: | computed | new prefix hits | new tokens (incl. drafts/canvas) | lookahead |.
+
+`align` (masked block diffusion: the diffusion block size; 1 otherwise): the KV of a token is
+final only once its whole diffusion block is written (block-causal attention: it depends on the
+later tokens of its block), so prefix-cache hits end at multiples of lcm(block_size, align) and
+a page is hashed only when every diffusion block it touches is committed and written. Without
+this a page covering half a diffusion block would be hit by a prompt sharing only that half.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from impasto.core.block_pool import BlockPool, KVCacheBlock
@@ -19,9 +26,16 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, max_model_len: int, enable_caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        align: int = 1,
     ) -> None:
         self.block_size = block_size
+        self.align = align
+        self._hit_pages = math.lcm(block_size, align) // block_size  # hits: multiples of this
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -60,6 +74,7 @@ class KVCacheManager:
             if block is None:  # chained hashes: every later block misses too
                 break
             hits.append(block)
+        del hits[len(hits) - len(hits) % self._hit_pages :]  # whole diffusion blocks only
         return hits, len(hits) * self.block_size
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -87,7 +102,7 @@ class KVCacheManager:
             num_slots = request.num_computed_tokens + num_new_tokens + num_lookahead_tokens
             if num_slots <= len(held) * self.block_size:
                 if self.enable_caching:
-                    num_committed = min(num_slots - num_lookahead_tokens, request.num_tokens)
+                    num_committed = min(num_slots - num_lookahead_tokens, self._final(request))
                     self._cache_blocks(request, num_committed)
                 return []
         hit_blocks = new_computed_blocks or []
@@ -117,8 +132,15 @@ class KVCacheManager:
         if self.enable_caching:
             # Only committed tokens are cached: the cap at num_tokens excludes drafts,
             # placeholders, lookahead and canvas slots.
-            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            self._cache_blocks(request, min(num_computed + num_new_tokens, self._final(request)))
         return [b.block_id for b in new_blocks]
+
+    def _final(self, request: Request) -> int:
+        """Committed tokens whose KV is final once computed: all of them, or (block diffusion)
+        those before the diffusion block the last committed token sits in (a prompt's tail
+        shares its block with the canvas and is rewritten by the block's commit)."""
+        n = request.num_tokens
+        return n - n % self.align
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id

@@ -16,6 +16,12 @@ hands out a token budget in named phases:
 uniform-padding gate and the acceptance arithmetic — and once more to keep a diffusion canvas
 whole under the token budget (half a canvas is no denoising step; half a draft list is fine).
 
+Masked block diffusion (`masked_block_size` B > 0) is the same diffusion path with block-causal
+KV: a token's KV depends on the rest of its B-block, so `_block_tokens` prefills whole blocks
+only, starts a canvas of masks when the request's whole blocks are computed (the prompt's tail
+leads it: it shares its block), and the rollback after a step stops at the block boundary
+(the tail's KV is written with its block's commit, not before).
+
 Invariants of a step (the cheap ones are asserted at the end of the phases in `schedule()`):
 
 - the budget never goes negative; every scheduled count is positive, and the counts plus the
@@ -100,8 +106,13 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.num_spec_tokens = config.num_speculative_tokens
         self.num_sampled_tokens_per_step = config.num_sampled_tokens_per_step
+        self.block = config.masked_block_size  # 0: not masked block diffusion
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching
+            config.num_blocks,
+            config.block_size,
+            config.max_model_len,
+            config.enable_prefix_caching,
+            align=self.block or 1,
         )
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # admission order: the tail is preempted first
@@ -212,7 +223,12 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = self._num_running_tokens(request, step.token_budget)
+            if self.block:
+                n, masks = self._block_tokens(request, request.num_computed_tokens, step.token_budget)
+                if masks:
+                    request.spec_token_ids = [self.config.mask_token_id] * masks
+            else:
+                n = self._num_running_tokens(request, step.token_budget)
             if n <= 0:
                 continue  # nothing to catch up on, or a canvas the budget cannot take whole
             block_ids = self._allocate_or_preempt(request, n, step)
@@ -244,6 +260,30 @@ class Scheduler:
             return 0
         return min(n, token_budget)
 
+    def _block_tokens(self, request: Request, computed: int, budget: int) -> tuple[int, int]:
+        """Masked block diffusion: (tokens to schedule, masks of a new canvas to start).
+
+        A canvas in flight runs whole or not at all. Without one, the committed tokens before
+        the last committed token's block are prefilled in whole blocks; once they all fit, the
+        block itself follows in the same step: the prompt's tail (KV unwritten) and masks up to
+        the block's end (or max_model_len)."""
+        cfg, b = self.config, self.block
+        num_tokens = request.num_tokens
+        if request.spec_token_ids:
+            n = num_tokens + len(request.spec_token_ids) - computed
+            return (n if n <= budget else 0), 0
+        block_start = num_tokens - num_tokens % b
+        prefill = block_start - computed
+        cap = budget
+        if 0 < cfg.long_prefill_token_threshold < cap:
+            cap = cfg.long_prefill_token_threshold
+        if prefill > cap:
+            return ((cap // b * b) if cfg.enable_chunked_prefill else 0), 0
+        block_end = min(block_start + b, self.max_model_len)
+        if block_end - computed <= budget:
+            return block_end - computed, block_end - num_tokens
+        return prefill, 0
+
     def _allocate_or_preempt(self, request: Request, n: int, step: _Step) -> list[int] | None:
         """Slots for `n` more tokens of a running request, preempting victims until they fit.
 
@@ -271,10 +311,15 @@ class Scheduler:
             request = self.waiting.peek()
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             n = request.num_tokens - num_hit
-            pad = self._should_pad(
+            masks = 0
+            pad = not self.block and self._should_pad(
                 n, num_hit, step.token_budget, step.scheduled_running, step.prefill_scheduled
             )
-            if pad:
+            if self.block:
+                n, masks = self._block_tokens(request, num_hit, step.token_budget)
+                if n <= 0:
+                    break
+            elif pad:
                 n = 1 + self.num_spec_tokens
             elif 0 < cfg.long_prefill_token_threshold < n:
                 n = cfg.long_prefill_token_threshold
@@ -292,6 +337,8 @@ class Scheduler:
             if block_ids is None:
                 break
             self._admit(request, num_hit, n, block_ids, pad, step)
+            if masks:  # a masked block starts in this very step
+                step.spec_tokens[request.request_id] = [self.config.mask_token_id] * masks
 
     def _admit(
         self,
@@ -437,7 +484,8 @@ class Scheduler:
                 num_rejected = len(scheduled_spec) - num_accepted
                 if num_rejected > 0:
                     request.num_computed_tokens -= num_rejected
-                self.spec_stats.observe(len(scheduled_spec), num_accepted)
+                if not self.block:  # a block's canvas is no draft list
+                    self.spec_stats.observe(len(scheduled_spec), num_accepted)
 
             new_tokens: list[int] = []
             for token in generated:
@@ -445,6 +493,9 @@ class Scheduler:
                 new_tokens.append(token)
                 if check_stop(request, self.max_model_len):
                     break  # tokens accepted past a stop are dropped
+            if self.block:  # block-causal: KV is final up to the last committed token's block
+                n = request.num_tokens
+                request.num_computed_tokens = min(request.num_computed_tokens, n - n % self.block)
             finished = request.is_finished
             if finished:
                 stopped.append(request)

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from impasto import limits
+from impasto.config.block_diffusion import BlockDiffusionConfig
 from impasto.config.model import ModelConfig
 from impasto.engine.structured import grammar
 from impasto.errors import InvalidParameterError
@@ -48,6 +49,10 @@ DIFFUSION_SUPPORTED = frozenset(
         "detokenize",
     }
 )
+
+# Masked block diffusion samples each slot's candidate like an AR token (temperature, top-k,
+# top-p, seeded per position) and takes its unmasking parameters in `extra_args`.
+BLOCK_DIFFUSION_SUPPORTED = DIFFUSION_SUPPORTED | {"temperature", "top_k", "top_p", "extra_args"}
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -230,8 +235,16 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens and your request has "
                 f"{prompt_len} input tokens ({params.max_tokens} > {limit} - {prompt_len}).",
             )
-        if m.is_diffusion:
+        if m.block_diffusion is not None:
+            self._check_block_diffusion(params, m.block_diffusion)
+        elif m.is_diffusion:
             self._check_diffusion(params)
+        elif params.extra_args:
+            raise InvalidParameterError(
+                "extra_args",
+                f"extra_args {sorted(params.extra_args)} are not read by this model "
+                "(only block-diffusion models take extra arguments: their unmasking parameters).",
+            )
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise InvalidParameterError(
@@ -239,6 +252,21 @@ class InputProcessor:
                     "structured outputs need a tokenizer (skip_tokenizer_init).",
                 )
             grammar.check(params.structured_outputs)  # a bad schema / grammar: refused here
+
+    @staticmethod
+    def _check_block_diffusion(params: SamplingParams, config: BlockDiffusionConfig) -> None:
+        """Masked block diffusion samples its candidates with temperature / top-k / top-p and
+        reads its unmasking parameters from `extra_args` (another block size: refused)."""
+        for name in params.non_default_fields():
+            if name not in BLOCK_DIFFUSION_SUPPORTED:
+                raise InvalidParameterError(
+                    name,
+                    f"{name} must be left at its default (got {getattr(params, name)!r}): "
+                    "not supported by block-diffusion models",
+                )
+        if params.min_p:
+            raise InvalidParameterError("min_p", "min_p is not supported by block diffusion")
+        config.unmasking.override(params.extra_args, config.block_size)
 
     @staticmethod
     def _check_diffusion(params: SamplingParams) -> None:

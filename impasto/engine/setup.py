@@ -20,6 +20,7 @@ from impasto.config import (
     SpeculativeConfig,
     generation,
 )
+from impasto.config.block_diffusion import BlockDiffusionConfig, block_architecture
 from impasto.config.speculative import check_draft_compat, check_target_compat
 from impasto.errors import InvalidParameterError
 from impasto.loader.generation_defaults import model_generation_defaults
@@ -35,6 +36,7 @@ from impasto.loader.tokenizer import (
 from impasto.models.interface import CausalLM, DiffusionLM
 from impasto.sampling_params import SamplingParams
 from impasto.worker.device_prep import prepare_for_device
+from impasto.worker.block_diffusion import MaskedBlockRunner
 from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.kv_cache import kv_cache_bytes_per_block
 from impasto.worker.model_runner import ModelRunner
@@ -97,7 +99,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
             raise InvalidParameterError(
                 "speculative_config", "speculative_config cannot be used with a diffusion model."
             )
-    elif args.diffusion_config is not None:
+    blocked = block_architecture(getattr(config, "architectures", None)) is not None
+    if args.diffusion_config is not None and not (model.is_diffusion or blocked):
         raise InvalidParameterError(
             "diffusion_config",
             f"diffusion_config was given, but {path.name} is not a diffusion model.",
@@ -106,6 +109,15 @@ def build_components(args: EngineArgs) -> EngineComponents:
     tokenizer = None
     if not args.skip_tokenizer_init:
         tokenizer = load_tokenizer(args.tokenizer or path)
+    bcfg = None  # masked block diffusion: an AR body decoded block by block
+    if blocked:
+        mask_id = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+        bcfg = BlockDiffusionConfig.resolve(args.diffusion_config, config, path, mask_id)
+        if args.speculative_config is not None:
+            raise InvalidParameterError(
+                "speculative_config",
+                "speculative_config cannot be used with a block-diffusion model.",
+            )
     eos = get_eos_token_id(tokenizer, limits)
     stop_ids = set(get_stop_token_ids(path)) - ({eos} if eos is not None else set())
 
@@ -162,7 +174,29 @@ def build_components(args: EngineArgs) -> EngineComponents:
         max_waiting_requests=args.max_waiting_requests,
     )
     runner: ModelRunner
-    if dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step
+    if bcfg is not None:  # the block travels as spec tokens (with the previous one's commit)
+        b = bcfg.block_size
+        sched_config = dataclasses.replace(
+            sched_config,
+            max_num_batched_tokens=max(sched_config.max_num_batched_tokens, 2 * b),
+            num_speculative_tokens=2 * b,
+            num_sampled_tokens_per_step=0,
+            uniform_spec_decode_padding=False,
+            masked_block_size=b,
+            mask_token_id=bcfg.mask_token_id,
+        )
+        runner = MaskedBlockRunner(
+            model,
+            config=bcfg,
+            num_blocks=num_blocks,
+            block_size=bs,
+            max_model_len=max_model_len,
+            max_num_reqs=args.max_num_seqs,
+            dtype=dtype,
+            device=device,
+            seed=args.seed,
+        )
+    elif dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step
         sched_config = dataclasses.replace(
             sched_config,
             num_speculative_tokens=dcfg.canvas_length,
@@ -213,7 +247,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
         vocab_size=vocab,
         eos_token_id=eos,
         extra_stop_token_ids=frozenset(stop_ids),
-        is_diffusion=dcfg is not None,
+        is_diffusion=dcfg is not None or bcfg is not None,
+        block_diffusion=bcfg,
         image_token_id=getattr(model, "image_token_id", None),
         max_logprobs=args.max_logprobs,
         generation_defaults=_generation_defaults(args, path),

@@ -12,7 +12,22 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from impasto.config.block_diffusion import MODEL_TYPES
 from impasto.models.registry import get_model_class
+
+
+def read_hf_config(folder: str | Path) -> PretrainedConfig:
+    """The folder's config.json as a transformers config. Block-diffusion checkpoints whose
+    upstream code is custom (SDAR, Fast-dLLM v2, dllm's A2D) are read as the config of their
+    body (Qwen3 / Qwen2 / Llama), their own keys (block size, mask id) kept as attributes:
+    no remote code is ever run."""
+    folder = Path(folder)
+    data = json.loads((folder / "config.json").read_text())
+    body = MODEL_TYPES.get(str(data.get("model_type", "")).lower())
+    if body is None:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    data = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(body, **data)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -60,7 +75,7 @@ def load_hf_model(
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = read_hf_config(folder)
     model_cls = get_model_class(list(config.architectures or []))
     # Parameters are created empty, directly in the target dtype and device (no init pass).
     with torch.device(device), default_dtype(dtype):

@@ -17,11 +17,11 @@ def load_config(path: Path) -> PretrainedConfig:
         from impasto.loader.gguf_loader import gguf_to_hf_config
 
         return gguf_to_hf_config(path)
-    from transformers import AutoConfig
+    from impasto.loader.hf import read_hf_config
 
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is neither a GGUF file nor a folder with a config.json.")
-    return AutoConfig.from_pretrained(str(path))
+    return read_hf_config(path)
 
 
 def load_model(

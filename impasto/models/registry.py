@@ -14,6 +14,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "DiffusionGemmaForBlockDiffusion": ("diffusion_gemma", "DiffusionGemmaForBlockDiffusion"),
+    # Masked block diffusion: the AR bodies, decoded block by block (config/block_diffusion.py).
+    "SDARForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Fast_dLLM_QwenForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "A2DQwen3LMHeadModel": ("qwen3", "Qwen3ForCausalLM"),
+    "A2DQwen2LMHeadModel": ("qwen2", "Qwen2ForCausalLM"),
+    "A2DLlamaLMHeadModel": ("llama", "LlamaForCausalLM"),
+    "BlockDiffusionLlamaForCausalLM": ("llama", "LlamaForCausalLM"),
 }
 
 

@@ -24,6 +24,7 @@ from impasto.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: these modules import this one
     import torch
 
+    from impasto.worker.block_diffusion.runner import BlockState
     from impasto.worker.diffusion.sampler import CanvasState
     from impasto.worker.spec_decode.ngram import NgramIndex
 
@@ -63,6 +64,9 @@ class ResidentState:
     """What exists only while the request's KV is in the cache."""
 
     canvas: CanvasState | None = None  # diffusion: the canvas being denoised
+    block: BlockState | None = None  # masked block diffusion: the block being denoised
+    # Masked block diffusion with token shift: (p, hidden state at p - 1), p a block start.
+    shift_hidden: tuple[int, torch.Tensor] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # accumulated chunk by chunk
     draft: DraftState | None = None  # draft-model speculation
     ngram: NgramIndex | None = None  # n-gram speculation: the request's n-gram index

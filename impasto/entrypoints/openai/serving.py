@@ -111,6 +111,8 @@ class ServerState:
         for name, value in self.generation_defaults.items():
             if name != "max_tokens" and given.get(name) is None:
                 values[name] = value
+        if given.get("vllm_xargs") is not None:  # vLLM's HTTP spelling of extra_args
+            values["extra_args"] = given["vllm_xargs"]
         values["logprobs"] = logprobs
         values["max_tokens"] = max_tokens
         values["prompt_logprobs"] = prompt_logprobs

@@ -46,7 +46,6 @@ SAMPLING: dict[str, IsNoOp] = {
     "logits_processors": _empty,
     "cache_salt": _unset,
     "kv_transfer_params": _unset,
-    "vllm_xargs": _empty,
     "mm_processor_kwargs": _empty,
 }
 CHAT: dict[str, IsNoOp] = {
