@@ -284,8 +284,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.extra_args is not None:
             scalars = (str, int, float, bool)
             if not isinstance(self.extra_args, dict) or not all(
-                isinstance(k, str) and isinstance(v, scalars)
-                for k, v in self.extra_args.items()
+                isinstance(k, str) and isinstance(v, scalars) for k, v in self.extra_args.items()
             ):
                 raise bad(
                     "extra_args",

@@ -23,7 +23,7 @@ Pure Python (the config layer): the algorithms themselves live in `worker/block_
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ class BlockDiffusionConfig:
     block_size: int
     mask_token_id: int
     token_shift: bool = False
-    unmasking: UnmaskingParams = UnmaskingParams()
+    unmasking: UnmaskingParams = field(default_factory=UnmaskingParams)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -224,7 +224,9 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             if self.block:
-                n, masks = self._block_tokens(request, request.num_computed_tokens, step.token_budget)
+                n, masks = self._block_tokens(
+                    request, request.num_computed_tokens, step.token_budget
+                )
                 if masks:
                     request.spec_token_ids = [self.config.mask_token_id] * masks
             else:

@@ -35,8 +35,8 @@ from impasto.loader.tokenizer import (
 )
 from impasto.models.interface import CausalLM, DiffusionLM
 from impasto.sampling_params import SamplingParams
-from impasto.worker.device_prep import prepare_for_device
 from impasto.worker.block_diffusion import MaskedBlockRunner
+from impasto.worker.device_prep import prepare_for_device
 from impasto.worker.diffusion import DiffusionModelRunner
 from impasto.worker.kv_cache import kv_cache_bytes_per_block
 from impasto.worker.model_runner import ModelRunner

@@ -248,13 +248,19 @@ def packaged_model_of(path: str | os.PathLike[str]) -> PackagedModel | None:
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
-    """None / "default" / a packaged model's name -> its cached file; else a local path."""
+    """None / "default" / a packaged model's name -> its cached file; a model folder saved into
+    the cache under a plain name (e.g. by examples/train_block_diffusion.py) -> that folder;
+    else a local path."""
     if model is None:
         return ensure_default_model()
     if isinstance(model, str) and (
         model.lower() in PACKAGED_MODELS or model in DEFAULT_MODEL_ALIASES
     ):
         return ensure_model(lookup(model))
+    if isinstance(model, str) and "/" not in model and not Path(model).exists():
+        saved = default_cache_dir() / model
+        if (saved / "config.json").is_file():
+            return saved
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(

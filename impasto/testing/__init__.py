@@ -43,11 +43,16 @@ def make_scheduler(
     policy: str = "fcfs",
     long_prefill_token_threshold: int = 0,
     num_lookahead_tokens: int = 0,
+    masked_block_size: int = 0,
+    mask_token_id: int = 3,
 ) -> Scheduler:
     """A scheduler with a fake pool. A canvas length makes it a diffusion scheduler (spec
-    tokens = canvas, num_sampled_tokens_per_step = 0). Padding defaults to on whenever
-    speculative tokens are configured, so tests exercise it."""
-    if diffusion_canvas_length is not None:
+    tokens = canvas, num_sampled_tokens_per_step = 0); a masked block size makes it a masked
+    block-diffusion scheduler. Padding defaults to on whenever speculative tokens are
+    configured, so tests exercise it."""
+    if masked_block_size:
+        num_spec, sampled = 2 * masked_block_size, 0
+    elif diffusion_canvas_length is not None:
         num_spec, sampled = diffusion_canvas_length, 0
     else:
         num_spec, sampled = num_speculative_tokens or 0, 1
@@ -68,6 +73,8 @@ def make_scheduler(
             num_lookahead_tokens=num_lookahead_tokens,
             num_sampled_tokens_per_step=sampled,
             uniform_spec_decode_padding=uniform_spec_decode_padding,
+            masked_block_size=masked_block_size,
+            mask_token_id=mask_token_id if masked_block_size else -1,
         )
     )
 

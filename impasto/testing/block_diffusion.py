@@ -35,12 +35,19 @@ from impasto.worker.block_diffusion.unmasking import STREAM_CANDIDATE, STREAM_RA
 from impasto.worker.sampling_ops import apply_top_k_top_p
 
 MASK_TOKEN_ID = 3  # the tiny checkpoints' mask token (not bos/eos/pad)
+DEFAULT_PARAMS = UnmaskingParams()
 
 _FLAVOURS = {
     # flavour: (body model_type, architectures, model_type written, block-size key, token shift)
     "sdar": ("qwen3", "SDARForCausalLM", "sdar", "block_size", False),
     "fast_dllm": ("qwen2", "Fast_dLLM_QwenForCausalLM", "Fast_dLLM_Qwen", "bd_size", True),
-    "llama": ("llama", "BlockDiffusionLlamaForCausalLM", "block_diffusion_llama", "block_size", True),
+    "llama": (
+        "llama",
+        "BlockDiffusionLlamaForCausalLM",
+        "block_diffusion_llama",
+        "block_size",
+        True,
+    ),
 }
 
 
@@ -169,7 +176,7 @@ def reference_generate(
     block_size: int,
     token_shift: bool,
     max_tokens: int,
-    params: UnmaskingParams = UnmaskingParams(),
+    params: UnmaskingParams = DEFAULT_PARAMS,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -227,7 +234,7 @@ def cached_generate(
     block_size: int,
     token_shift: bool,
     max_tokens: int,
-    params: UnmaskingParams = UnmaskingParams(),
+    params: UnmaskingParams = DEFAULT_PARAMS,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,

@@ -18,6 +18,7 @@ class _State:
     num_tokens: int  # committed tokens as the runner knows them
     num_computed: int
     denoise_steps: int = 0
+    block_start: int = -1  # masked block diffusion: the block being denoised (-1: none)
 
 
 class FakeRunner:
@@ -30,8 +31,10 @@ class FakeRunner:
         vocab: int = 1000,
         eos_token_id: int | None = None,
         eos_prob: float = 0.0,
+        masked_block: tuple[int, int, int] | None = None,  # (block size, mask id, max len)
     ) -> None:
         self.rng = rng
+        self.block = masked_block
         self.k = num_spec_tokens
         self.canvas = canvas_length
         self.denoise_steps = denoise_steps
@@ -66,13 +69,16 @@ class FakeRunner:
             st = self.state[rid]
             drafts = out.scheduled_spec_decode_tokens.get(rid, [])
             req_ids.append(rid)
-            if self.canvas:
+            if self.block:
+                toks, nxt = self._masked_block(st, n, drafts, self._denoise_steps(rid))
+            elif self.canvas:
                 toks, nxt = self._diffusion(st, n, drafts, self._denoise_steps(rid))
             else:
                 toks, nxt = self._ar(st, n, drafts)
             sampled.append(toks)
             spec.append(nxt)
-        return ModelRunnerOutput(req_ids, sampled, spec if (self.k or self.canvas) else None)
+        keep_spec = self.k or self.canvas or self.block
+        return ModelRunnerOutput(req_ids, sampled, spec if keep_spec else None)
 
     def _ar(self, st: _State, n: int, drafts: list[int]) -> tuple[list[int], list[int]]:
         assert len(drafts) < n or n == 0
@@ -106,6 +112,43 @@ class FakeRunner:
         st.num_tokens += len(committed)
         st.num_computed = st.num_tokens
         return committed, self._new_canvas()
+
+    def _masked_block(
+        self, st: _State, n: int, canvas: list[int], denoise_steps: int
+    ) -> tuple[list[int], list[int]]:
+        """The block runner's protocol: whole-block prefill; a span ending with its active
+        block; a finished block committed with the next block's first step."""
+        assert self.block is not None
+        b, mask, max_len = self.block
+        start, end = st.num_computed, st.num_computed + n
+        assert start % b == 0, f"span starts at {start}, inside a block of {b}"
+        if not canvas:
+            assert end % b == 0 and end <= st.num_tokens, f"prefill [{start}, {end}) unaligned"
+            st.num_computed = end
+            return [], []
+        assert end == st.num_tokens + len(canvas) <= max_len
+        active = (end - 1) // b * b
+        assert end - active <= b and -1 not in canvas, "the canvas is not one block"
+        committed: list[int] = []
+        if 0 <= st.block_start < active:  # the finished block rides with the next one
+            committed = canvas[: active - st.num_tokens]
+            st.num_tokens += len(committed)
+            st.block_start = -1
+        elif st.block_start == active and mask not in canvas:  # at max_len: commit alone
+            st.num_tokens += len(canvas)
+            st.block_start = -1
+            return canvas, []
+        if st.block_start != active:
+            assert all(t == mask for t in canvas[-(end - max(st.num_tokens, active)) :])
+            st.block_start, st.denoise_steps = active, 0
+        st.num_computed = active
+        st.denoise_steps += 1
+        tail = canvas[len(canvas) - (end - st.num_tokens) :]
+        if st.denoise_steps < denoise_steps:
+            return committed, tail
+        finals = [self._token() for _ in tail]
+        masks = [mask] * min(b, max_len - end)
+        return committed, finals + masks
 
     def _new_canvas(self) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(self.canvas)]

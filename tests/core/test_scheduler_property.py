@@ -2,7 +2,9 @@
 
 After every step: budgets respected, running <= max_num_seqs, block integrity, diffusion
 requests get exactly their canvas (or its tail clipped at max_model_len) or a prefill chunk —
-never 1 + canvas. At the end: every request finished exactly once and no block leaked.
+never 1 + canvas; masked block-diffusion requests get whole prefill blocks and then exactly
+their block (the finished one riding along), never padding (the fake runner checks the
+span). At the end: every request finished exactly once and no block leaked.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from impasto.core import Request, RequestStatus
 from impasto.core.outputs import SchedulerOutput
+from impasto.core.scheduler import PADDING_TOKEN_ID
 from impasto.sampling_params import SamplingParams
 from impasto.testing import EOS_TOKEN_ID, make_scheduler
 
 from .fake_runner import FakeRunner
 
-MODES = ["ar", "ar_spec", "diffusion"]
+MODES = ["ar", "ar_spec", "diffusion", "block"]
+MASK = 3
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -41,10 +45,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.mode = mode
         self.canvas = 8 if mode == "diffusion" else 0
         self.k = 3 if mode == "ar_spec" else 0
+        self.block = 4 if mode == "block" else 0
         self.max_model_len = min(96, (num_blocks - 1) * block_size)
         if not chunked:
             budget = max(budget, self.max_model_len)
-        budget = max(budget, self.canvas)
+        budget = max(budget, self.canvas, 2 * self.block)
         self.budget = budget
         self.block_size = block_size
         self.sched = make_scheduler(
@@ -58,6 +63,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_speculative_tokens=self.k or None,
             diffusion_canvas_length=self.canvas or None,
             uniform_spec_decode_padding=padding,
+            masked_block_size=self.block,
+            mask_token_id=MASK,
         )
         self.rng = random.Random(seed)
         self.runner = FakeRunner(
@@ -68,6 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             vocab=8,  # tiny vocab: repeated prompts and outputs make prefix hits common
             eos_token_id=EOS_TOKEN_ID,
             eos_prob=0.05,
+            masked_block=(self.block, MASK, self.max_model_len) if self.block else None,
         )
         self.next_id = 0
         self.finished: dict[str, RequestStatus] = {}
@@ -125,11 +133,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, n in out.num_scheduled_tokens.items():
             assert n > 0
             spec = out.scheduled_spec_decode_tokens.get(rid, [])
-            assert len(spec) < n or (self.canvas and len(spec) == n)
+            assert len(spec) < n or ((self.canvas or self.block) and len(spec) == n)
             num_tokens, computed = before[rid]
             if rid in out.preempted_req_ids:
                 continue
-            if self.canvas:
+            if self.block:  # its block (after whole prefill blocks), or whole prefill blocks
+                assert PADDING_TOKEN_ID not in spec
+                assert computed % self.block == 0 or rid not in self.sched.running
+                if spec:
+                    end = num_tokens + len(spec)
+                    assert end - (end - 1) // self.block * self.block <= self.block
+                    assert len(spec) <= 2 * self.block
+            elif self.canvas:
                 if spec:
                     clipped = self.max_model_len - computed
                     assert len(spec) == n and n in (self.canvas, clipped), (n, clipped)
@@ -161,7 +176,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=80,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

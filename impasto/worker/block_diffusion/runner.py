@@ -220,12 +220,12 @@ class MaskedBlockRunner(ModelRunner):
         for w, s in zip(work, slots, strict=True):
             block, m = w.block, len(s)
             assert block is not None
-            rows = slice(first, first + m)
+            part = slice(first, first + m)
             first += m
-            if not bool(finite[rows].all()):
+            if not bool(finite[part].all()):
                 failed[w.state.req_id] = "the model produced non-finite logits (NaN or inf)"
                 continue
-            self._step_block(w.state, block, logits[rows], s)
+            self._step_block(w.state, block, logits[part], s)
 
     def _step_block(
         self, state: RequestState, block: BlockState, logits: torch.Tensor, slots: np.ndarray
