@@ -21,6 +21,13 @@ def tiny_config(architecture: str) -> Any:
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
         "Gemma3ForCausalLM": "gemma3",
+        # Masked block diffusion: the bodies above (config/block_diffusion.py).
+        "SDARForCausalLM": "qwen3",
+        "Fast_dLLM_QwenForCausalLM": "qwen2",
+        "A2DQwen3LMHeadModel": "qwen3",
+        "A2DQwen2LMHeadModel": "qwen2",
+        "A2DLlamaLMHeadModel": "llama",
+        "BlockDiffusionLlamaForCausalLM": "llama",
     }
     if architecture == "DiffusionGemmaForBlockDiffusion":
         return make_config()
