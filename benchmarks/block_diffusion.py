@@ -89,8 +89,9 @@ def main() -> None:
         dtype: LLM(str(path), dtype=dtype, skip_tokenizer_init=True, max_model_len=512)
         for dtype in ("float32", "bfloat16")
     }
+    threads = torch.get_num_threads()
     print(f"model {path.name}: block {bcfg.block_size}, token shift {bcfg.token_shift}, "
-          f"batch {args.batch}, {args.max_tokens} tokens each, {torch.get_num_threads()} threads")  # fmt: skip
+          f"batch {args.batch}, {args.max_tokens} tokens each, {threads} threads")  # fmt: skip
     header = ("threshold", "impasto f32", "impasto bf16", "reference", "upstream-style",
               "x ref", "x upstream", "tok/forward", "identical")  # fmt: skip
     print(" | ".join(f"{h:>13}" for h in header))
@@ -113,8 +114,8 @@ def main() -> None:
                     "impasto:diffusion_denoising_steps", 0
                 )
                 committed = sum(map(len, outs[dtype]))
-        kw = dict(block_size=bcfg.block_size, token_shift=bcfg.token_shift,
-                  max_tokens=args.max_tokens, params=unmask, mask_token_id=bcfg.mask_token_id)  # fmt: skip
+        kw = dict(block_size=bcfg.block_size, token_shift=bcfg.token_shift, params=unmask,
+                  max_tokens=args.max_tokens, mask_token_id=bcfg.mask_token_id)  # fmt: skip
         for name, fn in (("reference", reference_generate), ("upstream", cached_generate)):
             t0 = time.perf_counter()
             outs[name] = [fn(model, p, **kw) for p in prompts]
