@@ -176,11 +176,11 @@ def main() -> None:
 
     out = args.out or default_cache_dir() / args.name
     out.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = ["BlockDiffusionLlamaForCausalLM"]
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
     cfg.update(
+        architectures=["BlockDiffusionLlamaForCausalLM"],  # save_pretrained wrote the class's
         model_type="block_diffusion_llama",
         block_size=args.block_size,
         mask_token_id=mask_id,
