@@ -21,7 +21,6 @@ ASKING = {
     "logits_processors": ["x"],
     "cache_salt": "abc",
     "kv_transfer_params": {"a": 1},
-    "vllm_xargs": {"a": 1},
     "mm_processor_kwargs": {"a": 1},
     "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
@@ -127,3 +126,11 @@ def test_truncation_lifts_the_length_precheck(server):
     assert _post(server, "/v1/chat/completions", chat).status_code == 400
     r = _post(server, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 5})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+
+
+def test_vllm_xargs_become_extra_args_which_an_ar_model_refuses(server):
+    """vLLM's `vllm_xargs` reach `SamplingParams.extra_args`; only block-diffusion models read
+    any, so an AR model answers 400 naming them rather than ignoring them."""
+    body = {"prompt": "Hi", "max_tokens": 1, "vllm_xargs": {"threshold": 0.5}}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra_args", r.text
