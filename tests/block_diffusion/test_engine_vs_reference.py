@@ -64,11 +64,12 @@ def test_every_rule_matches_the_reference_batched(checkpoints, kind, sampled):
 @pytest.mark.parametrize(
     "engine_args",
     [
+        dict(max_num_seqs=1),  # each request alone
         dict(enable_prefix_caching=True),
         dict(max_num_batched_tokens=16),  # chunked prefill, one block pair per step
         dict(num_gpu_blocks_override=9, max_num_seqs=6, enable_prefix_caching=True),  # preempts
     ],
-    ids=["prefix-caching", "chunked-prefill", "preemption"],
+    ids=["alone", "prefix-caching", "chunked-prefill", "preemption"],
 )
 @pytest.mark.parametrize("kind", [("sdar", 4), ("fast_dllm", 8)], ids=["sdar-B4", "fast-B8"])
 def test_features_that_must_not_change_outputs(checkpoints, kind, engine_args):
@@ -120,3 +121,20 @@ def test_eos_inside_a_block_truncates_and_stop_strings_free_nothing(checkpoints)
         toks = list(o.outputs[0].token_ids)
         assert toks == r[: r.index(r[2]) + 1]
         assert o.outputs[0].finish_reason == "stop"
+
+
+def test_min_tokens_defers_a_stop_token_committed_early(checkpoints):
+    """A stop token committed before min_tokens does not end the output: the next occurrence
+    at or after min_tokens does (or max_tokens)."""
+    path = checkpoints[("sdar", 4)]
+    ref = [expected(path, 4, False, p, {}, dict(temperature=0.0), 0) for p in PROMPTS]
+    llm = make_llm(path)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[r[0]], min_tokens=3)
+        for r in ref
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for o, r in zip(outs, ref, strict=True):
+        later = [i for i, t in enumerate(r) if t == r[0] and i >= 2]  # output index >= 3 - 1
+        want = r[: later[0] + 1] if later else r
+        assert list(o.outputs[0].token_ids) == want
