@@ -174,6 +174,15 @@ def build_components(args: EngineArgs) -> EngineComponents:
         max_waiting_requests=args.max_waiting_requests,
     )
     runner: ModelRunner
+    runner_args: dict[str, Any] = dict(
+        num_blocks=num_blocks,
+        block_size=bs,
+        max_model_len=max_model_len,
+        max_num_reqs=args.max_num_seqs,
+        dtype=dtype,
+        device=device,
+        seed=args.seed,
+    )
     if bcfg is not None:  # the block travels as spec tokens (with the previous one's commit)
         b = bcfg.block_size
         sched_config = dataclasses.replace(
@@ -185,17 +194,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
             masked_block_size=b,
             mask_token_id=bcfg.mask_token_id,
         )
-        runner = MaskedBlockRunner(
-            model,
-            config=bcfg,
-            num_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=max_model_len,
-            max_num_reqs=args.max_num_seqs,
-            dtype=dtype,
-            device=device,
-            seed=args.seed,
-        )
+        runner = MaskedBlockRunner(model, config=bcfg, **runner_args)
     elif dcfg is not None:  # the canvas travels as spec tokens; nothing sampled per step
         sched_config = dataclasses.replace(
             sched_config,
@@ -205,28 +204,9 @@ def build_components(args: EngineArgs) -> EngineComponents:
         )
         if not isinstance(model, DiffusionLM):
             raise TypeError(f"{type(model).__name__} does not implement DiffusionLM")
-        runner = DiffusionModelRunner(
-            model,
-            diffusion_config=dcfg,
-            num_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=max_model_len,
-            max_num_reqs=args.max_num_seqs,
-            dtype=dtype,
-            device=device,
-            seed=args.seed,
-        )
+        runner = DiffusionModelRunner(model, diffusion_config=dcfg, **runner_args)
     else:
-        runner = ModelRunner(
-            model,
-            num_blocks=num_blocks,
-            block_size=bs,
-            max_model_len=max_model_len,
-            max_num_reqs=args.max_num_seqs,
-            dtype=dtype,
-            device=device,
-            seed=args.seed,
-        )
+        runner = ModelRunner(model, **runner_args)
     if spec is not None:
         runner.proposer = _build_proposer(spec, draft, sched_config, dtype, device, args.seed)
     logger.info(

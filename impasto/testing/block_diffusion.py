@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,54 @@ def _choose(
     return set(_rank(scores, p.k_per_step))
 
 
+@dataclass(frozen=True)
+class _Rule:
+    """How one request's blocks are unmasked (both loops)."""
+
+    params: UnmaskingParams
+    cap: int  # steps per block
+    token_shift: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    mask_token_id: int
+
+
+def _unmask(
+    rows: torch.Tensor, slots: list[int], block: list[int], masked: list[bool], start: int,
+    step: int, rule: _Rule,
+) -> None:  # fmt: skip
+    """One step on a block, in place: `rows` [m, V] are the logits of its masked `slots`."""
+    rows[:, rule.mask_token_id] = float("-inf")
+    positions = [start + s for s in slots]
+    toks, confs, ents = _candidates(
+        rows, rule.temperature, rule.top_k, rule.top_p, rule.seed, positions, step
+    )
+    if step + 1 >= rule.cap:
+        keep = set(range(len(slots)))
+    else:
+        keep = _choose(rule.params, confs, ents, rule.seed, positions, step)
+        if rule.token_shift and step == 0 and slots[0] == 0:
+            keep.add(0)
+    for i in keep:
+        block[slots[i]], masked[slots[i]] = toks[i], False
+
+
+def _emit(
+    new: list[int], x: list[int], out: list[int], max_tokens: int, eos: frozenset[int]
+) -> bool:
+    """Commit a finished block's new tokens; True when the output ended (EOS or max_tokens)."""
+    x += new
+    for t in new:
+        if len(out) == max_tokens:
+            return True
+        out.append(t)
+        if t in eos:
+            return True
+    return len(out) == max_tokens
+
+
 @torch.inference_mode()
 def reference_generate(
     model: torch.nn.Module,
@@ -187,9 +236,10 @@ def reference_generate(
 ) -> list[int]:
     """Block by block, no KV cache: the tokens the engine must produce (EOS inside a block ends
     the output after it; `max_tokens` truncates the last block)."""
+    rule = _Rule(params, params.steps_cap(block_size), token_shift, temperature, top_k, top_p,
+                 seed, mask_token_id)  # fmt: skip
     x = list(prompt)
     out: list[int] = []
-    cap = params.steps_cap(block_size)
     while len(out) < max_tokens and len(x) < max_model_len:
         start = len(x) // block_size * block_size
         end = min(start + block_size, max_model_len)
@@ -203,26 +253,10 @@ def reference_generate(
             logits = model(input_ids=seq, attention_mask=mask, position_ids=pos).logits[0]
             slots = [i for i, m in enumerate(masked) if m]
             rows = logits[[start + s - (1 if token_shift else 0) for s in slots]].float()
-            rows[:, mask_token_id] = float("-inf")
-            positions = [start + s for s in slots]
-            toks, confs, ents = _candidates(rows, temperature, top_k, top_p, seed, positions, step)
-            if step + 1 >= cap:
-                keep = set(range(len(slots)))
-            else:
-                keep = _choose(params, confs, ents, seed, positions, step)
-                if token_shift and step == 0 and slots[0] == 0:
-                    keep.add(0)
-            for i in keep:
-                block[slots[i]], masked[slots[i]] = toks[i], False
+            _unmask(rows, slots, block, masked, start, step, rule)
             step += 1
-        new = block[len(x) - start :]
-        x += new
-        for t in new:
-            if len(out) == max_tokens:
-                break
-            out.append(t)
-            if t in eos_token_ids:
-                return out
+        if _emit(block[len(x) - start :], x, out, max_tokens, eos_token_ids):
+            break
     return out
 
 
@@ -246,9 +280,10 @@ def cached_generate(
     """The upstream-style loop with transformers' KV cache (one request)."""
     from transformers import DynamicCache
 
+    rule = _Rule(params, params.steps_cap(block_size), token_shift, temperature, top_k, top_p,
+                 seed, mask_token_id)  # fmt: skip
     x = list(prompt)
     out: list[int] = []
-    cap = params.steps_cap(block_size)
     cache = DynamicCache()
     done = 0  # tokens whose KV is in the cache
     last_hidden_logits: torch.Tensor | None = None  # token shift: logits at done - 1
@@ -290,29 +325,12 @@ def cached_generate(
                 else:
                     assert last_hidden_logits is not None
                     rows.append(last_hidden_logits)
-            r = torch.stack(rows)
-            r[:, mask_token_id] = float("-inf")
-            positions = [start + s for s in slots]
-            toks, confs, ents = _candidates(r, temperature, top_k, top_p, seed, positions, step)
-            if step + 1 >= cap:
-                keep = set(range(len(slots)))
-            else:
-                keep = _choose(params, confs, ents, seed, positions, step)
-                if token_shift and step == 0 and slots[0] == 0:
-                    keep.add(0)
-            for i in keep:
-                block[slots[i]], masked[slots[i]] = toks[i], False
+            _unmask(torch.stack(rows), slots, block, masked, start, step, rule)
             step += 1
         forward(block, start, store=True)  # the clean pass stores the block's KV
         done = end
-        new = block[len(x) - start :]
-        x += new
-        for t in new:
-            if len(out) == max_tokens:
-                break
-            out.append(t)
-            if t in eos_token_ids:
-                return out
+        if _emit(block[len(x) - start :], x, out, max_tokens, eos_token_ids):
+            break
     return out
 
 

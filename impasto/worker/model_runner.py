@@ -105,6 +105,14 @@ class ModelRunner:
             self.requests.pop(rid, None)
 
     # -- one step -----------------------------------------------------------------------------
+    def _scheduled_rows(
+        self, so: SchedulerOutput, req_ids: list[str]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """[B] persistent-batch rows of the step's requests and [B] tokens scheduled for each."""
+        rows = np.fromiter((self.batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
+        sched = so.num_scheduled_tokens
+        return rows, np.fromiter((sched[r] for r in req_ids), np.int64, len(req_ids))
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -112,8 +120,7 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput([], [])
         batch = self.batch
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
-        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(rows))
+        rows, num_sched = self._scheduled_rows(so, req_ids)
         spec = so.scheduled_spec_decode_tokens
         for rid, drafts in spec.items():  # drafts follow the committed tokens in the buffer
             row = batch.row_of[rid]

@@ -100,8 +100,7 @@ class MaskedBlockRunner(ModelRunner):
         if not req_ids:
             return ModelRunnerOutput([], [], [])
         batch = self.batch
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
-        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(rows))
+        rows, num_sched = self._scheduled_rows(so, req_ids)
         work = [self._plan(so, b, int(rows[b]), int(num_sched[b])) for b in range(len(rows))]
         meta, input_ids = self._prepare_inputs(rows, num_sched)
         meta.causal_block = [self.dblock] * len(rows)

@@ -124,8 +124,7 @@ class DiffusionModelRunner(ModelRunner):
         if not req_ids:
             return ModelRunnerOutput([], [], [])
         batch = self.batch
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), np.int64, len(req_ids))
-        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), np.int64, len(rows))
+        rows, num_sched = self._scheduled_rows(so, req_ids)
         states = [batch.states[r] for r in rows]
         phases = [self._check_phase(s, so, int(n)) for s, n in zip(states, num_sched, strict=True)]
         for b, (state, phase) in enumerate(zip(states, phases, strict=True)):
