@@ -46,7 +46,6 @@ Invariants of a step (the cheap ones are asserted at the end of the phases in `s
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from impasto.config.scheduler import SchedulerConfig
 from impasto.core.kv_cache_manager import KVCacheManager
@@ -60,44 +59,12 @@ from impasto.core.outputs import (
 )
 from impasto.core.request import Request, RequestStatus
 from impasto.core.request_queue import make_queue
+from impasto.core.schedule_step import ScheduleStep
 from impasto.core.spec_stats import SpecStats
 from impasto.core.stop import check_stop
 from impasto.errors import InvalidParameterError, QueueFullError
 
 PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
-
-
-@dataclass(slots=True)
-class _Step:
-    """What one `schedule()` call has handed out so far."""
-
-    token_budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    scheduled_running: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    new_reqs: list[Request] = field(default_factory=list)
-    resumed_reqs: list[Request] = field(default_factory=list)
-    # A running request got a prefill chunk: this step's batch is not a uniform decode batch.
-    prefill_scheduled: bool = False
-
-    def take(self, request: Request, n: int, block_ids: list[int]) -> None:
-        self.num_scheduled[request.request_id] = n
-        self.new_block_ids[request.request_id] = block_ids
-        self.token_budget -= n
-
-    def give_back(self, request: Request) -> None:
-        """Undo the scheduling of a request preempted later in the same step (a no-op if it
-        was not scheduled). `prefill_scheduled` stays: it only gates admission, and a step
-        that preempted admits nobody."""
-        rid = request.request_id
-        if rid not in self.num_scheduled:
-            return
-        self.token_budget += self.num_scheduled.pop(rid)
-        self.spec_tokens.pop(rid, None)
-        self.new_block_ids.pop(rid, None)
-        self.scheduled_running.remove(request)
 
 
 class Scheduler:
@@ -191,7 +158,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first, then (unless this step preempted) waiting ones."""
         cfg = self.config
-        step = _Step(token_budget=cfg.max_num_batched_tokens)
+        step = ScheduleStep(token_budget=cfg.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             # KV memory is short (the victims sit at the head of the queue): admitting anyone
@@ -214,7 +181,7 @@ class Scheduler:
         self._preempted_req_ids = set()
         return output
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: ScheduleStep) -> None:
         """Running requests, in admission order, while the budget lasts."""
         # A snapshot, since preemption removes victims from self.running as we go; a victim
         # that had not had its turn yet is skipped, one already scheduled gives its share back.
@@ -286,7 +253,9 @@ class Scheduler:
             return block_end - computed, block_end - num_tokens
         return prefill, 0
 
-    def _allocate_or_preempt(self, request: Request, n: int, step: _Step) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, request: Request, n: int, step: ScheduleStep
+    ) -> list[int] | None:
         """Slots for `n` more tokens of a running request, preempting victims until they fit.
 
         Returns the new block ids, or None when the request had to preempt itself.
@@ -305,7 +274,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: ScheduleStep) -> None:
         """Admit waiting requests head-of-line: the first that cannot start stops admission."""
         cfg = self.config
         kv = self.kv_cache_manager
@@ -349,7 +318,7 @@ class Scheduler:
         n: int,
         block_ids: list[int],
         pad: bool,
-        step: _Step,
+        step: ScheduleStep,
     ) -> None:
         """Move the head of the waiting queue to running, its prefix-cache hit computed."""
         admitted = self.waiting.pop()
@@ -412,7 +381,7 @@ class Scheduler:
         self.waiting.prepend(request)
         self._preempted_req_ids.add(request.request_id)
 
-    def _make_output(self, step: _Step) -> SchedulerOutput:
+    def _make_output(self, step: ScheduleStep) -> SchedulerOutput:
         new_data = [
             NewRequestData(
                 req_id=r.request_id,
