@@ -47,6 +47,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     diffusion_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engines behind one front end (config/parallel.py)
+    distributed_executor_backend: str | None = None  # "mp" (default) | "uni" | "ray"
+    data_parallel_routing: str = "prefix_aware"  # | "round_robin" | "least_loaded"
     num_threads: int | None = None  # CPU threads for torch (default: torch's choice)
     served_model_name: str | None = None
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
@@ -102,7 +105,7 @@ class EngineArgs:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "generation_config must be auto, vllm or a folder.")
         generation.check_overrides(self.override_generation_config)
-        self.parallel_config()  # validates tensor_parallel_size and num_threads
+        self.parallel_config()  # validates the parallel arguments
         if self.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(self.speculative_config)
             object.__setattr__(self, "speculative_config", spec)  # parsed once, here
@@ -126,7 +129,11 @@ class EngineArgs:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size, num_threads=self.num_threads
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_routing=self.data_parallel_routing,
+            num_threads=self.num_threads,
         )
 
     def observability_config(self) -> ObservabilityConfig:

@@ -25,17 +25,32 @@ def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes
     return h.digest()
 
 
+def chain_block_hashes(
+    token_ids: list[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    start_block: int = 0,
+    parent: bytes = NONE_HASH,
+) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` from block `start_block` on, chained from
+    `parent` (the hash of block `start_block - 1`). The one definition of a block's hash: the
+    KV cache and the data-parallel router (which predicts the engines' caches) both use it."""
+    hashes = []
+    for i in range(start_block, len(token_ids) // block_size):
+        # The cache salt isolates tenants: it keys the first block, hence the whole chain.
+        extra = cache_salt.encode() if (i == 0 and cache_salt) else b""
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
 def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     """Extend `request.block_hashes` to cover every full block of committed tokens."""
     hashes = request.block_hashes
-    num_full = request.num_tokens // block_size
-    if len(hashes) >= num_full:
+    if len(hashes) >= request.num_tokens // block_size:
         return hashes
-    tokens = request.all_token_ids
     parent = hashes[-1] if hashes else NONE_HASH
-    for i in range(len(hashes), num_full):
-        # The cache salt isolates tenants: it keys the first block, hence the whole chain.
-        extra = request.cache_salt.encode() if (i == 0 and request.cache_salt) else b""
-        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
-        hashes.append(parent)
+    hashes += chain_block_hashes(
+        request.all_token_ids, block_size, request.cache_salt, len(hashes), parent
+    )
     return hashes

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -29,7 +27,7 @@ import zmq.asyncio
 from impasto.config.engine_args import EngineArgs
 from impasto.config.model import ModelConfig
 from impasto.engine import ipc
-from impasto.engine.engine_process import run_engine_process
+from impasto.engine.launcher import EngineLauncher, EngineSpec, make_launcher, transport_of
 from impasto.engine.processor import EngineRequest
 
 logger = logging.getLogger("impasto")
@@ -75,9 +73,20 @@ def _merge(first: ipc.RequestDelta, rest: list[ipc.RequestDelta]) -> ipc.Request
 
 
 class AsyncEngineClient:
-    def __init__(self, args: EngineArgs, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        log_level: str = "info",
+        *,
+        cpus: tuple[int, ...] | None = None,
+        index: int = 0,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.args = args
         self.log_level = log_level
+        self.cpus = cpus  # the engine process is pinned to these cores (None: not pinned)
+        self.index = index  # its place among data-parallel engines
+        self.host = host  # the front end's address for engines elsewhere (tcp transport)
         self.errored = False
         self.dead_reason = ""
         self.model_config: ModelConfig | None = None  # from the engine's Ready message
@@ -86,15 +95,14 @@ class AsyncEngineClient:
         self._utility: dict[int, asyncio.Future] = {}
         self._call_ids = count()
         self._tmp = tempfile.mkdtemp(prefix="impasto-ipc-")
-        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._launcher: EngineLauncher | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self.died = asyncio.Event()  # set by `_mark_dead`
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
-        """Spawn the engine process and wait until its model is loaded (or it failed)."""
-        in_addr, out_addr = f"ipc://{self._tmp}/input", f"ipc://{self._tmp}/output"
+        """Start the engine process and wait until its model is loaded (or it failed)."""
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
@@ -103,17 +111,12 @@ class AsyncEngineClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-        self._in.bind(in_addr)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=run_engine_process,
-            args=(self.args, in_addr, out_addr, os.getpid(), self.log_level),
-            name="impasto-engine",
-            daemon=True,
-        )
-        self._proc.start()
-        self.engine_pid = self._proc.pid
+        in_addr, out_addr = self._bind(self._in, "input"), self._bind(self._out, "output")
+        spec = EngineSpec(self.args, in_addr, out_addr, self.log_level, self.cpus, self.index)
+        self._launcher = launcher = make_launcher(spec)
+        launcher.start()
+        self.engine_pid = launcher.pid
+        exited = asyncio.create_task(launcher.wait_exit(), name=f"engine-{self.index}-exit")
         deadline = time.monotonic() + timeout_s
         while True:
             if await self._out.poll(200):
@@ -121,30 +124,33 @@ class AsyncEngineClient:
                 if isinstance(msg, ipc.Ready):
                     break
                 if isinstance(msg, ipc.StartupFailed):
+                    exited.cancel()
                     await self.shutdown()
                     raise RuntimeError(f"engine startup failed: {msg.message}")
-            elif not self._proc.is_alive():
-                code = self._proc.exitcode
+            elif exited.done():
                 await self.shutdown()
-                raise RuntimeError(f"the engine process exited during startup (code {code})")
+                raise RuntimeError(f"the engine process exited during startup ({exited.result()})")
             elif time.monotonic() > deadline:
+                exited.cancel()
                 await self.shutdown()
                 raise RuntimeError(f"the engine did not start within {timeout_s:.0f} s")
         self.model_config = msg.model
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._proc.sentinel, self._on_process_exit)
+        self.engine_pid = msg.pid  # a Ray actor's process is only known once it runs
+        self._tasks.append(asyncio.create_task(self._watch_exit(exited), name="engine-watch"))
         self._tasks.append(asyncio.create_task(self._output_loop(), name="engine-outputs"))
 
-    def _on_process_exit(self) -> None:
-        proc = self._proc
-        assert proc is not None  # the reader is added once the process runs
-        asyncio.get_running_loop().remove_reader(proc.sentinel)
-        if self._closed:
-            return
-        # The sentinel closes a moment before the process can be reaped: wait for its status
-        # (bounded; microseconds in practice) so the log names the signal or exit code.
-        proc.join(0.5)
-        self._mark_dead(f"exit code {proc.exitcode}")
+    def _bind(self, sock: zmq.Socket, name: str) -> str:
+        """Bind a front-end socket; the address the engine connects to."""
+        if transport_of(self.args) == "tcp":  # the engine may run on another machine
+            sock.bind(f"tcp://{self.host}:*")
+        else:
+            sock.bind(f"ipc://{self._tmp}/{name}")
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    async def _watch_exit(self, exited: asyncio.Task) -> None:
+        reason = await exited
+        if not self._closed:
+            self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self.errored:
@@ -163,28 +169,15 @@ class AsyncEngineClient:
         if self._closed:
             return
         self._closed = True
-        proc = self._proc
-        if proc is not None and proc.is_alive():
+        launcher = self._launcher
+        if launcher is not None and launcher.is_alive():
             try:
                 self._in.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            deadline = time.monotonic() + timeout_s
-            while proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(3)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
+            await launcher.stop(timeout_s)
         for task in self._tasks:
             task.cancel()
-        if proc is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(proc.sentinel)
-            except (ValueError, OSError):
-                pass
         for sock in (getattr(self, "_in", None), getattr(self, "_out", None)):
             if sock is not None:
                 sock.close(0)
@@ -275,4 +268,4 @@ class AsyncEngineClient:
 
     @property
     def is_alive(self) -> bool:
-        return not self.errored and self._proc is not None and self._proc.is_alive()
+        return not self.errored and self._launcher is not None and self._launcher.is_alive()

@@ -37,7 +37,7 @@ _TERM = {"requested": False}  # set by SIGTERM: drain like a Shutdown message
 
 
 class EngineLoop:
-    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int | None) -> None:
         self.engine = engine
         self.pull, self.push = pull, push
         self.parent_pid = parent_pid
@@ -53,7 +53,9 @@ class EngineLoop:
             self.draining = self.draining or _TERM["requested"]
             if self.draining and not busy and not self.streams:
                 return
-            if os.getppid() != self.parent_pid:  # orphaned: nobody can read our outputs
+            if (
+                self.parent_pid is not None and os.getppid() != self.parent_pid
+            ):  # orphaned: nobody can read our outputs
                 logger.warning("engine: the API process is gone, exiting")
                 return
             if poller.poll(0 if busy else _IDLE_POLL_MS):
@@ -179,13 +181,26 @@ def _internal_error(what: str) -> str:
 
 
 def run_engine_process(
-    args: EngineArgs, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+    args: EngineArgs,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int | None,
+    log_level: str,
+    cpus: tuple[int, ...] | None = None,
+    install_signals: bool = True,
 ) -> None:
-    """Entry point of the engine process (spawned)."""
+    """Entry point of the engine process (spawned, or a Ray actor's thread).
+
+    `parent_pid`: exit when this process is no longer our parent (None: another supervisor,
+    e.g. Ray, owns our lifetime). `cpus`: pin the process (and so torch's threads) to them.
+    """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group: the API process decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: _TERM.update(requested=True))
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)  # before torch starts its thread pool
+    if install_signals:
+        # Ctrl-C reaches the whole process group: the API process decides when we stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: _TERM.update(requested=True))
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (pull, push):

@@ -31,7 +31,8 @@ _ENGINE_FLAGS = (
     "max_num_batched_tokens", "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes",
     "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
-    "scheduling_policy", "tensor_parallel_size", "max_logprobs", "disable_log_stats",
+    "scheduling_policy", "tensor_parallel_size", "data_parallel_size",
+    "distributed_executor_backend", "data_parallel_routing", "max_logprobs", "disable_log_stats",
     "step_timeout_s", "max_waiting_requests",
 )  # fmt: skip
 API_KEY_ENV = "IMPASTO_API_KEY"
@@ -86,7 +87,33 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
-    p.add_argument("--tensor-parallel-size", type=int, default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="shard the model over N ranks (torch.distributed; gloo on CPU)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="N engines behind one front end, each on its share of the cores",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["mp", "uni", "ray"],
+        help="how engine processes start: local processes (mp) or Ray actors (ray)",
+    )
+    p.add_argument(
+        "--data-parallel-routing",
+        default=None,
+        choices=["prefix_aware", "round_robin", "least_loaded"],
+        help="which engine takes a request (default prefix_aware: the longest cached "
+        "prefix, balanced against load)",
+    )
     p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
     p.add_argument(
         "--step-timeout",

@@ -48,8 +48,6 @@ _NO_OP: list[tuple[str, dict[str, Any], str]] = [
 # flag -> (its values that ask for nothing impasto lacks, what impasto cannot do otherwise)
 _ONLY: dict[str, tuple[tuple[str, ...], str]] = {
     "--pipeline-parallel-size": (("1",), "pipeline parallelism"),
-    "--data-parallel-size": (("1",), "data parallelism (one engine per server today)"),
-    "--distributed-executor-backend": (("mp", "uni"), "the Ray executor"),
     "--kv-cache-dtype": (("auto",), "a KV cache dtype other than the model's (--dtype)"),
     "--load-format": (("auto", "gguf", "safetensors"), "that load format"),
     "--tokenizer-mode": (("auto", "hf"), "that tokenizer mode"),

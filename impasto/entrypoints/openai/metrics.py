@@ -30,14 +30,18 @@ _FRONTEND_OWNED = {"impasto:request_success", "impasto:request_failure"}
 class _EngineCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.snapshot: list[list] = []  # [name, value, kind, documentation]
+        # [name, value, kind, documentation] or, with data parallelism, [..., engine index]
+        self.snapshot: list[list] = []
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
-        for name, value, kind, doc in self.snapshot:
+        for name, value, kind, doc, *engine in self.snapshot:
             if name in _FRONTEND_OWNED:
                 continue
             labels, label_values = ["model_name"], [self.model_name]
+            if engine:  # one series per data-parallel engine
+                labels.append("engine")
+                label_values.append(str(engine[0]))
             m = _PER_POS.match(name)
             if m:
                 name = m["name"] + "_per_pos"

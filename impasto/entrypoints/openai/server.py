@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from impasto.config.engine_args import EngineArgs
-from impasto.engine.engine_client import AsyncEngineClient
+from impasto.engine.dp_client import make_engine_client
 from impasto.entrypoints.openai.app import DEFAULT_MAX_BODY_BYTES, CorsSettings, build_app
 from impasto.entrypoints.openai.metrics import ServerMetrics
 from impasto.entrypoints.openai.reasoning_parsers import get_reasoning_parser
@@ -70,14 +70,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _banner(cfg: ServeConfig, name: str, port: int, engine_pid: int | None) -> str:
+def _banner(cfg: ServeConfig, name: str, port: int, engine_pids: list[int | None]) -> str:
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
     url = f"{'https' if cfg.vllm.ssl else 'http'}://{host}:{port}"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
     auth = " -H 'Authorization: Bearer <API key>'" if cfg.api_keys else ""  # never the key
     return (
         f"impasto is serving {name} at {url}/v1 (OpenAI-compatible; "
-        f"engine process pid {engine_pid})\n"
+        f"engine process pid {', '.join(str(p) for p in engine_pids)})\n"
         f"Try it:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{body}'\n"
     )
@@ -93,7 +93,8 @@ async def serve(cfg: ServeConfig) -> int:
     args = dataclasses.replace(args, model=str(model_path))
     # The engine keeps torch's default threads (all cores): measured on a 2-core machine, one
     # thread left to the API process cost 20-40 % of output tokens/s at every concurrency.
-    client = AsyncEngineClient(args, log_level=cfg.log_level)
+    # With data parallelism the cores are split between the engines (engine/dp_client.py).
+    client = make_engine_client(args, log_level=cfg.log_level)
     tokenizer_task = None
     if not args.skip_tokenizer_init:
         from impasto.loader.tokenizer import load_tokenizer
@@ -165,7 +166,8 @@ async def serve(cfg: ServeConfig) -> int:
         server.should_exit = True  # uvicorn's graceful shutdown: open requests already failed
 
     watcher = asyncio.create_task(exit_when_engine_dies(), name="engine-death-watch")
-    print(_banner(cfg, names[0], port, client.engine_pid), flush=True)
+    pids = getattr(client, "engine_pids", [client.engine_pid])
+    print(_banner(cfg, names[0], port, pids), flush=True)
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -20,6 +20,7 @@ from fastapi import Request
 
 from impasto import limits
 from impasto.engine import ipc
+from impasto.engine.dp_client import DataParallelEngineClient
 from impasto.engine.engine_client import AsyncEngineClient
 from impasto.engine.processor import EngineRequest, InputProcessor
 from impasto.entrypoints.openai.errors import APIError
@@ -42,7 +43,7 @@ _ENDPOINT_FIELDS = frozenset(
 
 @dataclass
 class ServerState:
-    client: AsyncEngineClient
+    client: AsyncEngineClient | DataParallelEngineClient
     tokenizer: Any
     served_model_names: list[str]
     metrics: ServerMetrics
