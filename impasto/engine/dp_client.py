@@ -67,7 +67,9 @@ class DataParallelEngineClient:
         # Ray places its actors itself: pinning here would name this machine's cores.
         groups = split_cores(cores, n) if parallel.backend != "ray" else [None] * n
         self.engines = [
-            AsyncEngineClient(engine_args_for(args, cpus, n), log_level, cpus=cpus, index=i)
+            AsyncEngineClient(
+                engine_args_for(args, cpus, n), log_level, cpus=cpus, index=i, num_engines=n
+            )
             for i, cpus in enumerate(groups)
         ]
         self.loads = [EngineLoad() for _ in range(n)]

@@ -80,12 +80,13 @@ class AsyncEngineClient:
         *,
         cpus: tuple[int, ...] | None = None,
         index: int = 0,
+        num_engines: int = 1,
         host: str = "127.0.0.1",
     ) -> None:
         self.args = args
         self.log_level = log_level
         self.cpus = cpus  # the engine process is pinned to these cores (None: not pinned)
-        self.index = index  # its place among data-parallel engines
+        self.index, self.num_engines = index, num_engines  # its place among DP engines
         self.host = host  # the front end's address for engines elsewhere (tcp transport)
         self.errored = False
         self.dead_reason = ""
@@ -112,7 +113,9 @@ class AsyncEngineClient:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
         in_addr, out_addr = self._bind(self._in, "input"), self._bind(self._out, "output")
-        spec = EngineSpec(self.args, in_addr, out_addr, self.log_level, self.cpus, self.index)
+        spec = EngineSpec(
+            self.args, in_addr, out_addr, self.log_level, self.cpus, self.index, self.num_engines
+        )
         self._launcher = launcher = make_launcher(spec)
         launcher.start()
         self.engine_pid = launcher.pid

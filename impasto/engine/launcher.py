@@ -33,6 +33,7 @@ class EngineSpec:
     log_level: str = "info"
     cpus: tuple[int, ...] | None = None  # pinned to these cores (None: wherever the OS puts it)
     index: int = 0  # its place among data-parallel engines (names, logs, metrics)
+    num_engines: int = 1  # how many data-parallel engines the front end starts
 
 
 class EngineLauncher(Protocol):
