@@ -134,6 +134,8 @@ class EngineLoop:
                     [m.name, m.value, m.kind, m.documentation] for m in engine.get_metrics()
                 ]
             }
+        if method in ("reset_prefix_cache", "reset_prefix_cache_running"):
+            return {"reset": engine.reset_prefix_cache(method == "reset_prefix_cache_running")}
         kv = sched.kv_cache_manager
         return {
             "num_unfinished_requests": sched.get_num_unfinished_requests(),

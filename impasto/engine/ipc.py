@@ -34,7 +34,7 @@ class Abort(msgspec.Struct, tag=True):
 
 class UtilityCall(msgspec.Struct, tag=True):
     call_id: int
-    method: str  # "metrics" | "state"
+    method: str  # "metrics" | "state" | "reset_prefix_cache" | "reset_prefix_cache_running"
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from impasto.core.outputs import SchedulerStats
 
@@ -14,6 +14,7 @@ class Metric:
     value: float
     kind: str = "counter"  # "counter" | "gauge"
     documentation: str = ""
+    labels: dict[str, str] = field(default_factory=dict)  # e.g. {"engine": "1"} with DP
 
 
 _COUNTERS = {

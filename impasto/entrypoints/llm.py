@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from impasto.config.engine_args import EngineArgs
+from impasto.engine.dp_engine import DataParallelLLMEngine
 from impasto.engine.engine import LLMEngine, PromptType
 from impasto.engine.metrics import Metric
 from impasto.loader.tokenizer import apply_chat_template
@@ -17,7 +18,11 @@ from impasto.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model, **engine_args)
-        self.llm_engine = LLMEngine(self.engine_args)
+        self.llm_engine: LLMEngine | DataParallelLLMEngine
+        if self.engine_args.data_parallel_size > 1:  # N engine processes behind a router
+            self.llm_engine = DataParallelLLMEngine(self.engine_args)
+        else:
+            self.llm_engine = LLMEngine(self.engine_args)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -25,7 +30,10 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (`generation_config`,
         `override_generation_config`); what `generate` / `chat` use when given none."""
-        return SamplingParams.from_fields(self.llm_engine.config.model.generation_defaults)
+        engine = self.llm_engine
+        dp = isinstance(engine, DataParallelLLMEngine)
+        model = engine.model_config if dp else engine.config.model
+        return SamplingParams.from_fields(model.generation_defaults)
 
     def generate(
         self,
@@ -132,6 +140,11 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop the engine processes now (data parallelism); an in-process engine has none."""
+        if isinstance(self.llm_engine, DataParallelLLMEngine):
+            self.llm_engine.shutdown()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
