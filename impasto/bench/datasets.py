@@ -48,6 +48,26 @@ def random_requests(
     return out
 
 
+def prefix_repetition_requests(
+    num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, seed: int
+) -> list[BenchRequest]:
+    """`num_prefixes` shared prefixes of `prefix_len` words (a system prompt each), each request
+    one of them followed by its own `suffix_len` words (a question), in shuffled order: the
+    shared-prefix load that prefix caching and prefix-aware routing are for (vLLM's
+    `prefix_repetition` dataset, in spirit)."""
+    rng = random.Random(seed)
+    prefixes = [
+        " ".join([f"system-{seed}-{p}:"] + [rng.choice(_WORDS) for _ in range(prefix_len - 1)])
+        for p in range(num_prefixes)
+    ]
+    out = []
+    for i in range(num):
+        question = " ".join([str(i)] + [rng.choice(_WORDS) for _ in range(suffix_len - 1)])
+        out.append(BenchRequest(f"{prefixes[i % num_prefixes]} {question}", output_len))
+    rng.shuffle(out)
+    return out
+
+
 def corpus_requests(path: str, num: int, output_len: int, seed: int) -> list[BenchRequest]:
     """A JSONL file of {"prompt": ...} (or {"text": ...}) records, or a plain text file with one
     prompt per line; sampled with replacement when `num` exceeds the file."""

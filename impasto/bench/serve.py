@@ -17,7 +17,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from impasto.bench.datasets import BenchRequest, corpus_requests, random_requests
+from impasto.bench.datasets import (
+    BenchRequest,
+    corpus_requests,
+    prefix_repetition_requests,
+    random_requests,
+)
 
 
 @dataclass
@@ -110,6 +115,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         reqs = corpus_requests(
             args.dataset_path, args.num_prompts, args.random_output_len, args.seed
         )
+    elif args.dataset_name == "prefix_repetition":
+        reqs = prefix_repetition_requests(
+            args.num_prompts, args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len, args.seed,
+        )  # fmt: skip
     else:
         reqs = random_requests(
             args.num_prompts, args.random_input_len, args.random_output_len,
@@ -230,12 +241,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset-name", default="random", choices=["random", "corpus"])
+    p.add_argument(
+        "--dataset-name", default="random", choices=["random", "corpus", "prefix_repetition"]
+    )
     p.add_argument("--dataset-path", default=None, help="corpus: JSONL or one prompt per line")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=32)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=32)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0, help="1.0 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None)
