@@ -20,6 +20,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
@@ -79,6 +80,13 @@ def _failed(request: EngineRequest, message: str) -> RequestOutput:
     )
 
 
+@dataclass(frozen=True)
+class FrontEndConfig:
+    """The part of the engines' `EngineConfig` a front end knows (what admission needs)."""
+
+    model: ModelConfig
+
+
 class DataParallelLLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         path = resolve_model(args.model)  # fetched once here, not by every engine
@@ -95,6 +103,7 @@ class DataParallelLLMEngine:
         self._run(self.client.start())
         assert self.client.model_config is not None
         self.model_config: ModelConfig = self.client.model_config
+        self.config = FrontEndConfig(self.model_config)
         self.max_model_len = self.model_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         priority = args.scheduling_policy == "priority"

@@ -140,9 +140,13 @@ def _model(args: argparse.Namespace) -> str | None:
 
 def _make_engine(args: argparse.Namespace):
     from impasto.config.engine_args import EngineArgs
+    from impasto.engine.dp_engine import DataParallelLLMEngine
     from impasto.engine.engine import LLMEngine
 
-    return LLMEngine(EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args)))
+    engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
+    if engine_args.data_parallel_size > 1:  # engine processes behind the router
+        return DataParallelLLMEngine(engine_args)
+    return LLMEngine(engine_args)
 
 
 def _stream_text(engine, prompt: dict, params, out=sys.stdout) -> tuple[str, int]:

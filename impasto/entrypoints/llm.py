@@ -30,10 +30,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (`generation_config`,
         `override_generation_config`); what `generate` / `chat` use when given none."""
-        engine = self.llm_engine
-        dp = isinstance(engine, DataParallelLLMEngine)
-        model = engine.model_config if dp else engine.config.model
-        return SamplingParams.from_fields(model.generation_defaults)
+        return SamplingParams.from_fields(self.llm_engine.config.model.generation_defaults)
 
     def generate(
         self,
