@@ -47,6 +47,12 @@ _STUCK_POLL_S = 0.05  # how long step() waits for a timed-out step before return
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        if args.data_parallel_size > 1:  # never one engine where N were asked for
+            raise InvalidParameterError(
+                "data_parallel_size",
+                "LLMEngine is one engine; data parallelism runs N of them behind a router "
+                "(LLM(data_parallel_size=N), impasto serve --data-parallel-size N).",
+            )
         self.args = args
         # the model is built on the thread its steps run on (see step_watchdog.py: OpenMP)
         self.watchdog: StepWatchdog[ModelRunnerOutput] = StepWatchdog(args.step_timeout_s)
