@@ -41,7 +41,7 @@ lock:
 	# that satisfy them), with hashes. Commit the result after `make test` passes on it.
 	$(PIP) install pip-tools
 	$(PY) -m piptools compile --quiet --generate-hashes --allow-unsafe \
-		--no-emit-index-url --no-emit-find-links --extra test -o $(LOCK) \
+		--no-emit-index-url --no-emit-find-links --extra test --extra ray -o $(LOCK) \
 		pyproject.toml requirements/lock-inputs.txt
 	# pip's own pin and hashes, as the first step of `make install` reads them
 	$(PY) -c "import re, sys; t = open('$(LOCK)').read(); \

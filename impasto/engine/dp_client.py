@@ -40,7 +40,8 @@ def split_cores(cores: list[int], n: int) -> list[tuple[int, ...] | None]:
     if len(cores) < n:
         return [None] * n
     base, extra = divmod(len(cores), n)
-    groups, start = [], 0
+    groups: list[tuple[int, ...] | None] = []
+    start = 0
     for i in range(n):
         size = base + (1 if i < extra else 0)
         groups.append(tuple(cores[start : start + size]))

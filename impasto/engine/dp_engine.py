@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -109,7 +110,7 @@ class DataParallelLLMEngine:
         priority = args.scheduling_policy == "priority"
         self.processor = InputProcessor(self.model_config, self.tokenizer, priority)
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        self._tasks: dict[str, asyncio.Future] = {}  # request id -> its stream, while unfinished
+        self._tasks: dict[str, concurrent.futures.Future] = {}  # request id -> its stream
         self._ids = count()
         self._closed = False
 

@@ -81,13 +81,15 @@ class AsyncEngineClient:
         cpus: tuple[int, ...] | None = None,
         index: int = 0,
         num_engines: int = 1,
-        host: str = "127.0.0.1",
+        host: str | None = None,
     ) -> None:
         self.args = args
         self.log_level = log_level
         self.cpus = cpus  # the engine process is pinned to these cores (None: not pinned)
         self.index, self.num_engines = index, num_engines  # its place among DP engines
-        self.host = host  # the front end's address for engines elsewhere (tcp transport)
+        # The front end's address for engines elsewhere (tcp transport); None: the launcher's
+        # (for Ray, this node's IP as the cluster knows it).
+        self.host = host
         self.errored = False
         self.dead_reason = ""
         self.model_config: ModelConfig | None = None  # from the engine's Ready message
@@ -145,10 +147,16 @@ class AsyncEngineClient:
     def _bind(self, sock: zmq.Socket, name: str) -> str:
         """Bind a front-end socket; the address the engine connects to."""
         if transport_of(self.args) == "tcp":  # the engine may run on another machine
+            if self.host is None:
+                from impasto.engine.ray_launcher import front_end_host  # the only tcp backend
+
+                self.host = front_end_host()
             sock.bind(f"tcp://{self.host}:*")
         else:
             sock.bind(f"ipc://{self._tmp}/{name}")
-        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        return endpoint.decode()
 
     async def _watch_exit(self, exited: asyncio.Task) -> None:
         reason = await exited
@@ -173,12 +181,13 @@ class AsyncEngineClient:
             return
         self._closed = True
         launcher = self._launcher
-        if launcher is not None and launcher.is_alive():
-            try:
-                self._in.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            await launcher.stop(timeout_s)
+        if launcher is not None:
+            if launcher.is_alive():
+                try:
+                    self._in.send(ipc.encode(ipc.Shutdown()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            await launcher.stop(timeout_s)  # a dead engine too: its launcher frees its resources
         for task in self._tasks:
             task.cancel()
         for sock in (getattr(self, "_in", None), getattr(self, "_out", None)):

@@ -81,7 +81,12 @@ class ProcessLauncher:
         assert proc is not None, "start() first"
         loop = asyncio.get_running_loop()
         gone = loop.create_future()
-        loop.add_reader(proc.sentinel, lambda: gone.done() or gone.set_result(None))
+
+        def _exited() -> None:
+            if not gone.done():
+                gone.set_result(None)
+
+        loop.add_reader(proc.sentinel, _exited)
         try:
             await gone
         finally:
