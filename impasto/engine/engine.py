@@ -33,9 +33,11 @@ from impasto.engine.stats_logger import StatsLogger
 from impasto.engine.step_watchdog import EngineDeadError, StepTimeoutError, StepWatchdog
 from impasto.engine.structured.grammar import GrammarCompiler
 from impasto.engine.structured.manager import StructuredOutputManager
+from impasto.engine.tensor_parallel import TensorParallelGroup, TensorParallelRunner
 from impasto.errors import InvalidParameterError
 from impasto.outputs import RequestOutput
 from impasto.sampling_params import SamplingParams
+from impasto.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("impasto")
 
@@ -56,7 +58,15 @@ class LLMEngine:
         self.args = args
         # the model is built on the thread its steps run on (see step_watchdog.py: OpenMP)
         self.watchdog: StepWatchdog[ModelRunnerOutput] = StepWatchdog(args.step_timeout_s)
-        parts: EngineComponents = self.watchdog.run_untimed(lambda: build_components(args))
+        # Tensor parallelism: start the other ranks and join them, on the step thread.
+        self.tp_group: TensorParallelGroup | None = None
+        if args.parallel_config().tensor_parallel_size > 1:
+            self.tp_group = self.watchdog.run_untimed(lambda: TensorParallelGroup.start(args))
+        try:
+            parts: EngineComponents = self.watchdog.run_untimed(lambda: build_components(args))
+        except BaseException:
+            self.close()
+            raise
         self.config: EngineConfig = parts.config
         self.model_path = parts.model_path
         self.hf_config = parts.hf_config
@@ -64,7 +74,9 @@ class LLMEngine:
         self.max_model_len = self.config.model.max_model_len
         self.vocab_size = self.config.model.vocab_size
         self.scheduler = Scheduler(self.config.scheduler)
-        self.runner = parts.runner
+        self.runner: ModelRunner | TensorParallelRunner = parts.runner
+        if self.tp_group is not None:  # each step goes to every rank
+            self.runner = TensorParallelRunner(parts.runner, self.tp_group)
         priority = self.config.scheduler.policy == "priority"
         self.processor = InputProcessor(self.config.model, self.tokenizer, priority)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -157,6 +169,12 @@ class LLMEngine:
         compiling = self._structured is not None and self._structured.num_pending > 0
         return compiling or self.scheduler.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        group, self.tp_group = getattr(self, "tp_group", None), None
+        if group is not None:
+            self.watchdog.run_untimed(group.close)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache; with `reset_running_requests`, running requests are
         preempted first (they recompute), so the reset always succeeds."""
@@ -188,6 +206,8 @@ class LLMEngine:
             self.metrics.inc("impasto:step_timeouts")
             self._timed_out = so
             runner_out = _all_failed(so, str(e))
+        except EngineDeadError:  # a tensor-parallel rank is gone: no step can run
+            raise
         except Exception:  # noqa: BLE001 - isolate the failure to this step's requests
             # Clients get an error id, the log gets the details (no internals in responses).
             error_id = uuid.uuid4().hex[:12]

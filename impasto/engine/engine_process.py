@@ -226,10 +226,12 @@ def run_engine_process(
     try:
         EngineLoop(engine, pull, push, parent_pid).run()
     except EngineDeadError:
+        logger.error("engine: dead\n%s", traceback.format_exc())
         # The hung step's thread cannot be stopped: leave at once, non-zero, and let the API
         # process (and its supervisor) see the death.
         push.close(linger=1000)
         os._exit(1)
+    engine.close()  # tensor-parallel ranks (they also end with this process)
     pull.close()
     push.close()
     ctx.term()

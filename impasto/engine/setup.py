@@ -34,6 +34,7 @@ from impasto.loader.tokenizer import (
     load_tokenizer,
 )
 from impasto.models.interface import CausalLM, DiffusionLM
+from impasto.models.layers.parallel import agree_min
 from impasto.sampling_params import SamplingParams
 from impasto.worker.block_diffusion import MaskedBlockRunner
 from impasto.worker.device_prep import prepare_for_device
@@ -73,8 +74,9 @@ def resolve_dtype(name: str, config: Any, gguf: bool) -> torch.dtype:
 
 
 def build_components(args: EngineArgs) -> EngineComponents:
+    """Every tensor-parallel rank calls it (after joining the group): each builds its shard."""
     parallel = args.parallel_config()
-    if parallel.num_threads:
+    if parallel.num_threads and parallel.tensor_parallel_size == 1:  # TP: per rank, set before
         torch.set_num_threads(parallel.num_threads)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
@@ -100,6 +102,12 @@ def build_components(args: EngineArgs) -> EngineComponents:
                 "speculative_config", "speculative_config cannot be used with a diffusion model."
             )
     blocked = block_architecture(getattr(config, "architectures", None)) is not None
+    if parallel.tensor_parallel_size > 1 and (model.is_diffusion or blocked):
+        raise InvalidParameterError(
+            "tensor_parallel_size",
+            "tensor parallelism runs autoregressive models; diffusion and block-diffusion "
+            "models run on one rank (use data parallelism for more throughput).",
+        )
     if args.diffusion_config is not None and not (model.is_diffusion or blocked):
         raise InvalidParameterError(
             "diffusion_config",
@@ -148,6 +156,9 @@ def build_components(args: EngineArgs) -> EngineComponents:
         num_blocks = budget // per_block
         # No use holding more than every sequence at full length (+ the null block).
         num_blocks = min(num_blocks, args.max_num_seqs * -(-max_model_len // bs) + 1)
+    # Ranks may hold different numbers of KV heads (copies where they are fewer than the
+    # ranks): every rank takes the blocks all can hold, as rank 0's block tables index them.
+    num_blocks = agree_min(num_blocks)
     if (num_blocks - 1) * bs < max_model_len:
         raise InvalidParameterError(
             "kv_cache_memory_bytes",

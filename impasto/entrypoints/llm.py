@@ -139,9 +139,11 @@ class LLM:
         return self.llm_engine.get_metrics()
 
     def shutdown(self) -> None:
-        """Stop the engine processes now (data parallelism); an in-process engine has none."""
+        """Stop the engine processes (data parallelism) or tensor-parallel ranks now."""
         if isinstance(self.llm_engine, DataParallelLLMEngine):
             self.llm_engine.shutdown()
+        else:
+            self.llm_engine.close()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -22,12 +22,13 @@ from impasto.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
-    RowParallelLinear,
     VocabParallelEmbedding,
     rope_parameters,
 )
 from impasto.models.layers.device_hooks import FusedOps
-from impasto.models.layers.parallel import divide, tp_size
+from impasto.models.layers.linear import HeadRowParallelLinear
+from impasto.models.layers.parallel import tp_rank, tp_size
+from impasto.models.layers.tp_heads import head_layout
 from impasto.models.llama_stack import FusedLlamaStack
 from impasto.models.weights import load_weights_strict
 
@@ -56,10 +57,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = self.head_dim = head_dim_of(config)
         hq, hkv = config.num_attention_heads, config.num_key_value_heads
-        self.num_heads, self.num_kv_heads = divide(hq, tp_size()), divide(hkv, tp_size())
+        layout = head_layout(hq, hkv, tp_rank(), tp_size())  # this rank's heads
+        self.num_heads, self.num_kv_heads = len(layout.q_heads), len(layout.kv_heads)
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, hq, hkv, bias=opts.qkv_bias)
-        self.o_proj = RowParallelLinear(hq * d, config.hidden_size, bias=opts.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, d, hq, hkv, bias=opts.qkv_bias, layout=layout
+        )
+        self.o_proj = HeadRowParallelLinear(layout.q_heads, d, config.hidden_size, bias=opts.o_bias)
         self.qk_norm = opts.qk_norm
         if opts.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps, gemma=opts.gemma_norms)

@@ -15,7 +15,7 @@ from torch import nn
 
 from impasto.models.layers.device_hooks import FusedOps
 from impasto.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from impasto.models.layers.parallel import divide, tp_size
+from impasto.models.layers.parallel import shard_size
 
 # The fused SiLU * up saves two dispatches, which decides decode-sized steps (1.9x faster at one
 # row); for prefill chunks PyTorch's vectorized kernels are faster (0.8x at 128 rows, 0.6x at
@@ -45,7 +45,7 @@ class GatedMLP(nn.Module):
         self.act, self.silu = _ACTIVATIONS[act]
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
-        self.local = divide(intermediate, tp_size())
+        self.local = shard_size(intermediate)  # this rank's (zero-padded) share
         self.fused_ops: FusedOps | None = None  # `use_kernels`: SiLU * up in one kernel
         # Steps above this many rows compute SiLU eagerly (faster there); `make_reproducible`
         # lifts the limit, so that no row's bits depend on the size of its step.
