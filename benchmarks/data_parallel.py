@@ -117,8 +117,14 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--blocks-per-engine", type=int, default=192)
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument(
+        "--configs", nargs="+", default=[c[0] for c in CONFIGS], choices=[c[0] for c in CONFIGS],
+        help="a subset of the configurations (DP=1 and both DP=2 routings always run)",
+    )  # fmt: skip
     args = p.parse_args()
-    results = {name: run_config(name, dp, routing, args) for name, dp, routing in CONFIGS}
+    needed = {"DP=1", "DP=2 prefix-aware", "DP=2 round-robin"}
+    chosen = [c for c in CONFIGS if c[0] in set(args.configs) | needed]
+    results = {name: run_config(name, dp, routing, args) for name, dp, routing in chosen}
     base = results["DP=1"]
     print(
         f"\nshared-prefix load: {args.num_prompts} requests, {args.num_prefixes} prefixes x "

@@ -65,16 +65,18 @@ def threads_per_rank(args: EngineArgs) -> int:
     return args.num_threads or max(1, (os.cpu_count() or 1) // n)
 
 
-def join_group(rank: int, size: int, device: str) -> None:
-    """Join the process group from the environment (env:// rendezvous) and set this rank's
-    tensor-parallel state for the layers."""
+def join_group(rank: int, size: int, device: str, address: tuple[str, int] | None = None) -> None:
+    """Join the process group and set this rank's tensor-parallel state for the layers.
+
+    `address`: rank 0's (host, port); None: from the environment (env:// rendezvous)."""
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     backend = "nccl" if cuda else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    init = "env://" if address is None else f"tcp://{address[0]}:{address[1]}"
     dist.init_process_group(
         backend,
-        init_method="env://",
+        init_method=init,
         rank=rank,
         world_size=size,
         timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
@@ -103,21 +105,24 @@ class TensorParallelGroup:
         """Start ranks 1..N-1 (unless external) and join the group as rank 0."""
         size = args.parallel_config().tensor_parallel_size
         group = cls(size)
-        external = os.environ.get(EXTERNAL_ENV) == "1"
-        if not external:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+        address = None  # external ranks: the environment's rendezvous
+        if os.environ.get(EXTERNAL_ENV) != "1":
+            # This process's own rendezvous (a fresh port per engine unless MASTER_PORT is
+            # set), handed to the ranks it starts; this process's environment is left alone.
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            address = (host, int(os.environ.get("MASTER_PORT") or _free_port()))
             fd, group.args_file = tempfile.mkstemp(prefix="impasto-tp-", suffix=".pkl")
             with os.fdopen(fd, "wb") as f:
                 pickle.dump(args, f)
             for rank in range(1, size):
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
+                env.update(MASTER_ADDR=host, MASTER_PORT=str(address[1]))
                 env["IMPASTO_TP_PARENT_PID"] = str(os.getpid())
                 cmd = [sys.executable, "-m", "impasto.engine.tp_worker", group.args_file]
                 group.workers.append(subprocess.Popen(cmd, env=env))
         torch.set_num_threads(threads_per_rank(args))
         try:
-            join_group(0, size, args.device)
+            join_group(0, size, args.device, address)
         except BaseException:
             group.close()
             raise

