@@ -7,17 +7,14 @@ drain and exit), a kill when that does not end it in time.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 
+from impasto.core.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "stop_server", "wait_healthy"]
 
 
 def wait_healthy(

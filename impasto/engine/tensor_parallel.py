@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from impasto.config.engine_args import EngineArgs
 from impasto.core.outputs import SchedulerOutput
+from impasto.core.ports import free_port
 from impasto.engine.step_watchdog import EngineDeadError
 from impasto.models.layers.parallel import set_tensor_parallel
 
@@ -51,12 +51,6 @@ EXTERNAL_ENV = "IMPASTO_TP_EXTERNAL_WORKERS"
 
 # Messages rank 0 broadcasts (a tuple (kind, SchedulerOutput), or None: stop).
 STEP, DISCARD = "step", "discard"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def threads_per_rank(args: EngineArgs) -> int:
@@ -110,7 +104,7 @@ class TensorParallelGroup:
             # This process's own rendezvous (a fresh port per engine unless MASTER_PORT is
             # set), handed to the ranks it starts; this process's environment is left alone.
             host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            address = (host, int(os.environ.get("MASTER_PORT") or _free_port()))
+            address = (host, int(os.environ.get("MASTER_PORT") or free_port()))
             fd, group.args_file = tempfile.mkstemp(prefix="impasto-tp-", suffix=".pkl")
             with os.fdopen(fd, "wb") as f:
                 pickle.dump(args, f)
