@@ -75,25 +75,31 @@ def test_shared_prefix_goes_to_the_engine_that_caches_it(dp_server):
     assert hits.get(other, 0) == hits0.get(other, 0)
 
 
-def test_killing_one_engine_fails_only_its_requests(dp_server):
+def kill_engine_under_load(server, num_requests: int, max_tokens: int) -> list[int]:
+    """Send `num_requests` different prompts at once (the router spreads them), SIGKILL engine
+    1 once it runs one of them, and return the HTTP statuses (shared with the Ray tests)."""
+
     async def one(client: httpx.AsyncClient, i: int) -> int:
-        # Different prompts, several at once: the router spreads them over both engines.
-        body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": 200,
+        body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-        r = await client.post(dp_server.url + "/v1/completions", json=body, timeout=180)
+        r = await client.post(server.url + "/v1/completions", json=body, timeout=180)
         return r.status_code
 
     async def run() -> list[int]:
         async with httpx.AsyncClient() as client:
-            tasks = [asyncio.create_task(one(client, i)) for i in range(6)]
+            tasks = [asyncio.create_task(one(client, i)) for i in range(num_requests)]
             deadline = time.monotonic() + 60
-            while by_engine(dp_server, "impasto:num_requests_running").get("1", 0) == 0:
+            while by_engine(server, "impasto:num_requests_running").get("1", 0) == 0:
                 assert time.monotonic() < deadline, "engine 1 never got a request"
-                await asyncio.sleep(0.2)
-            os.kill(engine_pids(dp_server)[1], signal.SIGKILL)
+                await asyncio.sleep(0.1)
+            os.kill(engine_pids(server)[1], signal.SIGKILL)  # a process, or a Ray actor's
             return await asyncio.gather(*tasks)
 
-    statuses = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_killing_one_engine_fails_only_its_requests(dp_server):
+    statuses = kill_engine_under_load(dp_server, 6, 200)
     assert statuses.count(200) >= 1 and len([s for s in statuses if s != 200]) >= 1, statuses
     assert all(s in (200, 500, 503) for s in statuses), statuses
     # The survivor serves on; the dead engine is reported and never chosen again.

@@ -6,14 +6,11 @@ killing one engine's actor process fails only the requests it held while the oth
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +22,11 @@ pytest.importorskip("ray", reason="the ray backend needs Ray (pip install 'impas
 
 from impasto.bench.server_process import free_port  # noqa: E402
 from impasto.engine.ray_launcher import _is_loopback, describe_death  # noqa: E402
-from tests.parallel.test_dp_server import by_engine, engine_pids  # noqa: E402
+from tests.parallel.test_dp_server import (  # noqa: E402
+    by_engine,
+    engine_pids,
+    kill_engine_under_load,
+)
 from tests.server.conftest import Server, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -180,23 +181,7 @@ def test_metrics_are_labelled_per_engine(ray_server):
 
 
 def test_killing_one_actor_fails_only_its_requests(ray_server):
-    async def one(client: httpx.AsyncClient, i: int) -> int:
-        body = {"prompt": f"Story number {i}: once upon a time", "max_tokens": 48,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-        r = await client.post(ray_server.url + "/v1/completions", json=body, timeout=120)
-        return r.status_code
-
-    async def run() -> list[int]:
-        async with httpx.AsyncClient() as client:
-            tasks = [asyncio.create_task(one(client, i)) for i in range(4)]
-            deadline = time.monotonic() + 60
-            while by_engine(ray_server, "impasto:num_requests_running").get("1", 0) == 0:
-                assert time.monotonic() < deadline, "engine 1 never got a request"
-                await asyncio.sleep(0.1)
-            os.kill(engine_pids(ray_server)[1], signal.SIGKILL)  # the actor's process
-            return await asyncio.gather(*tasks)
-
-    statuses = asyncio.run(run())
+    statuses = kill_engine_under_load(ray_server, 4, 48)
     assert statuses.count(200) >= 1 and any(s != 200 for s in statuses), statuses
     assert all(s in (200, 500, 503) for s in statuses), statuses
     assert "Ray actor died" in ray_server.log()
