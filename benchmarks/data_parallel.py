@@ -38,18 +38,20 @@ CONFIGS = [  # (name, data-parallel size, routing)
 ]
 
 
-def cache_counters(url: str) -> tuple[float, float]:
-    """(hit tokens, queried tokens) summed over the engines."""
+def cache_counters(url: str) -> tuple[float, float, float]:
+    """(hit tokens, queried tokens, balance overrides) summed over the engines."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    hits = queries = 0.0
+    hits = queries = overrides = 0.0
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in fam.samples:
             if s.name == "impasto:prefix_cache_hits_total":
                 hits += s.value
             elif s.name == "impasto:prefix_cache_queries_total":
                 queries += s.value
-    return hits, queries
+            elif s.name == "impasto:router_balance_overrides_total":
+                overrides += s.value
+    return hits, queries, overrides
 
 
 def run_config(name: str, dp: int, routing: str | None, args) -> dict:
@@ -75,6 +77,10 @@ def run_config(name: str, dp: int, routing: str | None, args) -> dict:
     ]
     if routing:
         cmd += ["--data-parallel-routing", routing]  # fmt: skip
+    for flag in ("router_balance_abs_threshold", "router_balance_rel_threshold",
+                 "router_cache_threshold"):  # fmt: skip
+        if routing == "prefix_aware" and getattr(args, flag) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     log = Path(args.log_dir) / f"dp{dp}-{routing or 'single'}.log"
     print(f"starting {name}", flush=True)
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -92,16 +98,17 @@ def run_config(name: str, dp: int, routing: str | None, args) -> dict:
              "--prefix-repetition-output-len", str(args.output_len),
              "--ignore-eos", "--num-warmups", "2", "--seed", "11"]
         )  # fmt: skip
-        h0, q0 = cache_counters(url)  # before the warm-ups: they share no prefix, so they only
+        h0, q0, o0 = cache_counters(url)  # before the warm-ups: they share no prefix, so they only
         result = asyncio.run(run_benchmark(bargs))  # add misses to every configuration alike
-        h1, q1 = cache_counters(url)
+        h1, q1, o1 = cache_counters(url)
         result["hit_rate"] = (h1 - h0) / max(q1 - q0, 1.0)
+        result["overrides"] = o1 - o0
     finally:
         stop_server(proc, timeout_s=60)
     print(
         f"  {name}: {result['output_throughput']:.1f} out tok/s, "
         f"p99 TTFT {result['p99_ttft_ms']:.0f} ms, hit rate {result['hit_rate']:.2f}, "
-        f"failed {result['failed']}",
+        f"balance overrides {result['overrides']:.0f}, failed {result['failed']}",
         flush=True,
     )
     return result
@@ -117,6 +124,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--blocks-per-engine", type=int, default=192)
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument("--router-balance-abs-threshold", type=int, default=None)
+    p.add_argument("--router-balance-rel-threshold", type=float, default=None)
+    p.add_argument("--router-cache-threshold", type=float, default=None)
     p.add_argument(
         "--configs", nargs="+", default=[c[0] for c in CONFIGS], choices=[c[0] for c in CONFIGS],
         help="a subset of the configurations (DP=1 and both DP=2 routings always run)",

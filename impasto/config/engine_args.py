@@ -50,6 +50,9 @@ class EngineArgs:
     data_parallel_size: int = 1  # engines behind one front end (config/parallel.py)
     distributed_executor_backend: str | None = None  # "mp" (default) | "uni" | "ray"
     data_parallel_routing: str = "prefix_aware"  # | "round_robin" | "least_loaded"
+    router_balance_abs_threshold: int = 4  # the prefix-aware router's knobs (config/parallel.py)
+    router_balance_rel_threshold: float = 1.5
+    router_cache_threshold: float = 0.25
     num_threads: int | None = None  # CPU threads for torch (default: torch's choice)
     served_model_name: str | None = None
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)
@@ -133,6 +136,9 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_routing=self.data_parallel_routing,
+            router_balance_abs_threshold=self.router_balance_abs_threshold,
+            router_balance_rel_threshold=self.router_balance_rel_threshold,
+            router_cache_threshold=self.router_cache_threshold,
             num_threads=self.num_threads,
         )
 

@@ -28,6 +28,14 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "mp"
     data_parallel_routing: str = "prefix_aware"
+    # The prefix-aware router's knobs (SGLang's cache-aware router has the same three):
+    # loads are out of balance when the busiest engine has more than `abs` requests in flight
+    # beyond the idlest and more than `rel` times as many; then the idlest takes the request.
+    # Otherwise a predicted cached prefix covering at least `cache_threshold` of the prompt's
+    # full blocks wins.
+    router_balance_abs_threshold: int = 4
+    router_balance_rel_threshold: float = 1.5
+    router_cache_threshold: float = 0.25
     num_threads: int | None = None  # torch intra-op threads (None: torch's default, all cores)
 
     def __post_init__(self) -> None:
@@ -54,6 +62,28 @@ class ParallelConfig:
                 "data_parallel_routing",
                 f"data_parallel_routing must be one of {', '.join(ROUTING_POLICIES)}, "
                 f"got {self.data_parallel_routing!r}.",
+            )
+        abs_t = self.router_balance_abs_threshold
+        if type(abs_t) is not int or abs_t < 0:
+            raise InvalidParameterError(
+                "router_balance_abs_threshold",
+                f"router_balance_abs_threshold must be an integer >= 0, got {abs_t!r}.",
+            )
+        rel_t = self.router_balance_rel_threshold
+        if isinstance(rel_t, bool) or not isinstance(rel_t, (int, float)) or not rel_t >= 1.0:
+            raise InvalidParameterError(
+                "router_balance_rel_threshold",
+                f"router_balance_rel_threshold must be a number >= 1.0, got {rel_t!r}.",
+            )
+        cache_t = self.router_cache_threshold
+        if (
+            isinstance(cache_t, bool)
+            or not isinstance(cache_t, (int, float))
+            or not (0.0 <= cache_t <= 1.0)
+        ):
+            raise InvalidParameterError(
+                "router_cache_threshold",
+                f"router_cache_threshold must be a number in [0, 1], got {cache_t!r}.",
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidParameterError(

@@ -64,6 +64,7 @@ class DataParallelEngineClient:
         self.args = args
         self.num_engines = n = parallel.data_parallel_size
         self.policy = parallel.data_parallel_routing
+        self.parallel = parallel
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         # Ray places its actors itself: pinning here would name this machine's cores.
         groups = split_cores(cores, n) if parallel.backend != "ray" else [None] * n
@@ -77,6 +78,7 @@ class DataParallelEngineClient:
         self.router: Router | None = None
         self.routed = [0] * n  # requests sent to each engine
         self.predicted_hits = [0] * n  # blocks the router expected cached, per engine
+        self.overrides = [0] * n  # requests sent here by the load balance, against the cache
         self._owner: dict[str, int] = {}  # request id -> engine index, while in flight
         self.model_config: ModelConfig | None = None
         self.died = asyncio.Event()  # every engine is dead
@@ -95,8 +97,15 @@ class DataParallelEngineClient:
         self.model_config = self.engines[0].model_config
         states = await asyncio.gather(*(e.call_utility("state") for e in self.engines))
         block_size = self.args.block_size
+        p = self.parallel
         self.router = make_router(
-            self.policy, self.num_engines, block_size, [s["num_blocks"] for s in states]
+            self.policy,
+            self.num_engines,
+            block_size,
+            [s["num_blocks"] for s in states],
+            p.router_balance_abs_threshold,
+            p.router_balance_rel_threshold,
+            p.router_cache_threshold,
         )
         for i, e in enumerate(self.engines):
             self._watchers.append(asyncio.create_task(self._watch(i, e), name=f"dp-watch-{i}"))
@@ -170,6 +179,7 @@ class DataParallelEngineClient:
             raise EngineDeadError(str(e)) from e
         self.routed[choice.engine] += 1
         self.predicted_hits[choice.engine] += choice.predicted_hit_blocks
+        self.overrides[choice.engine] += choice.overrode_cache
         return choice.engine
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[ipc.RequestDelta]:
@@ -210,6 +220,9 @@ class DataParallelEngineClient:
                  f"Requests routed to the engine ({self.policy} routing).", i],
                 ["impasto:router_predicted_hit_blocks", self.predicted_hits[i], "counter",
                  "KV blocks the router predicted cached on the engine it chose.", i],
+                ["impasto:router_balance_overrides", self.overrides[i], "counter",
+                 "Requests the load balance sent to the engine although another was "
+                 "predicted to hold more of their prompt.", i],
                 ["impasto:engine_alive", float(self.loads[i].alive), "gauge",
                  "1 while the engine process serves, 0 once it died.", i],
                 ["impasto:engine_requests_in_flight", self.loads[i].in_flight, "gauge",

@@ -40,6 +40,9 @@ class EngineLoad:
 class Choice:
     engine: int
     predicted_hit_blocks: int = 0  # leading blocks the cache model expected to be cached
+    # The load balance overrode the cache: another engine was predicted to hold more of the
+    # prompt (the request will recompute what it could have reused).
+    overrode_cache: bool = False
 
 
 class Router:
@@ -122,7 +125,7 @@ class PrefixAwareRouter(LeastLoadedRouter):
     Out of balance: the busiest live engine has more than `balance_abs` requests more than the
     idlest, and more than `balance_rel` times as many. Then the idlest takes the request (ties:
     the longer prefix). Otherwise the longest predicted prefix wins if it covers at least
-    `min_match` of the prompt's full blocks (ties: the less loaded); with no such prefix the
+    `cache_threshold` of the prompt's full blocks (ties: the less loaded); with no such prefix the
     request goes to the least loaded engine, with ties to the one whose cache model holds the
     fewest blocks (the most room for a new prefix).
     """
@@ -136,12 +139,13 @@ class PrefixAwareRouter(LeastLoadedRouter):
         capacity_blocks: Sequence[int],
         balance_abs: int = 4,
         balance_rel: float = 1.5,
-        min_match: float = 0.25,
+        cache_threshold: float = 0.25,
     ) -> None:
         super().__init__(num_engines)
         self.block_size = block_size
         self.models = [_CacheModel(max(c, 1)) for c in capacity_blocks]
-        self.balance_abs, self.balance_rel, self.min_match = balance_abs, balance_rel, min_match
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.cache_threshold = cache_threshold
 
     def choose(self, token_ids, cache_salt, loads) -> Choice:
         alive = self._alive(loads)
@@ -151,28 +155,36 @@ class PrefixAwareRouter(LeastLoadedRouter):
         matches = {i: self.models[i].match(hashes) for i in alive}
         load = {i: loads[i].in_flight for i in alive}
         most, least = max(load.values()), min(load.values())
+        best = max(matches.values())
         if most - least > self.balance_abs and most > self.balance_rel * least:
             pick = min(alive, key=lambda i: (load[i], -matches[i], i))
         else:
-            best = max(matches.values())
-            if hashes and best > 0 and best >= self.min_match * len(hashes):
+            if hashes and best > 0 and best >= self.cache_threshold * len(hashes):
                 pick = min(alive, key=lambda i: (-matches[i], load[i], i))
             else:
                 pick = min(alive, key=lambda i: (load[i], len(self.models[i].blocks), i))
         self.models[pick].insert(hashes)
-        return Choice(pick, matches[pick])
+        return Choice(pick, matches[pick], overrode_cache=matches[pick] < best)
 
     def forget_engine(self, index: int) -> None:
         self.models[index].blocks.clear()
 
 
 def make_router(
-    policy: str, num_engines: int, block_size: int, capacity_blocks: Sequence[int]
+    policy: str,
+    num_engines: int,
+    block_size: int,
+    capacity_blocks: Sequence[int],
+    balance_abs: int = 4,
+    balance_rel: float = 1.5,
+    cache_threshold: float = 0.25,
 ) -> Router:
     if policy == "round_robin":
         return RoundRobinRouter(num_engines)
     if policy == "least_loaded":
         return LeastLoadedRouter(num_engines)
     if policy == "prefix_aware":
-        return PrefixAwareRouter(num_engines, block_size, capacity_blocks)
+        return PrefixAwareRouter(
+            num_engines, block_size, capacity_blocks, balance_abs, balance_rel, cache_threshold
+        )
     raise ValueError(f"unknown routing policy {policy!r}")

@@ -27,7 +27,9 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "enable_chunked_prefill", "speculative_config", "diffusion_config", "device", "num_threads",
     "scheduling_policy", "tensor_parallel_size", "data_parallel_size",
-    "distributed_executor_backend", "data_parallel_routing", "max_logprobs", "disable_log_stats",
+    "distributed_executor_backend", "data_parallel_routing",
+    "router_balance_abs_threshold", "router_balance_rel_threshold", "router_cache_threshold",
+    "max_logprobs", "disable_log_stats",
     "step_timeout_s", "max_waiting_requests", "skip_tokenizer_init",
 )  # fmt: skip
 
@@ -94,6 +96,27 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
         choices=["prefix_aware", "round_robin", "least_loaded"],
         help="which engine takes a request (default prefix_aware: the longest cached "
         "prefix, balanced against load)",
+    )
+    p.add_argument(
+        "--router-balance-abs-threshold",
+        type=int,
+        default=None,
+        help="prefix-aware routing: loads are out of balance (the idlest engine takes the "
+        "request) when the busiest has more than this many requests beyond the idlest "
+        "(default 4) ...",
+    )
+    p.add_argument(
+        "--router-balance-rel-threshold",
+        type=float,
+        default=None,
+        help="... and more than this many times as many (default 1.5)",
+    )
+    p.add_argument(
+        "--router-cache-threshold",
+        type=float,
+        default=None,
+        help="prefix-aware routing: the fraction of a prompt's blocks a predicted cached "
+        "prefix must cover to decide the engine (default 0.25)",
     )
     p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
     p.add_argument(

@@ -57,6 +57,79 @@ def test_imbalance_goes_to_the_least_loaded():
     assert r.choose(prompt(2, 1), None, loads(*busy)).engine == second
 
 
+def test_override_is_flagged_only_against_the_cache():
+    r = PrefixAwareRouter(2, BS, [1000, 1000], balance_abs=4, balance_rel=1.5)
+    first = r.choose(prompt(1, 0), None, loads(0, 0))
+    assert not first.overrode_cache  # a new prefix: nobody held more
+    busy = [0, 0]
+    busy[first.engine] = 10
+    moved = r.choose(prompt(1, 1), None, loads(*busy))
+    assert moved.engine == 1 - first.engine and moved.overrode_cache
+    # Now both hold it: the idler one is also a cache choice, no override.
+    assert not r.choose(prompt(1, 2), None, loads(*busy)).overrode_cache
+
+
+def test_thresholds_decide_balance_and_cache():
+    # abs 16: 10 in flight beyond the idlest is tolerated, the prefix's engine keeps it.
+    r = PrefixAwareRouter(2, BS, [1000, 1000], balance_abs=16, balance_rel=1.5)
+    e = r.choose(prompt(1, 0), None, loads(0, 0)).engine
+    busy = [0, 0]
+    busy[e] = 10
+    assert r.choose(prompt(1, 1), None, loads(*busy)).engine == e
+    busy[e] = 17
+    assert r.choose(prompt(1, 2), None, loads(*busy)).engine == 1 - e
+    # rel: 20 against 12 is beyond abs 4 but within 2x, so the cache decides.
+    r = PrefixAwareRouter(2, BS, [1000, 1000], balance_abs=4, balance_rel=2.0)
+    e = r.choose(prompt(1, 0), None, loads(0, 0)).engine
+    busy = [12, 12]
+    busy[e] = 20
+    assert r.choose(prompt(1, 1), None, loads(*busy)).engine == e
+    # cache_threshold: a cached prefix of 3 of the prompt's 4 full blocks decides at 0.75,
+    # not at 0.8 (then the less loaded engine takes it).
+    long_prompt = [1 * 100 + i for i in range(12)] + [9000, 9001, 9002, 9003, 9004]
+    for threshold, stays in ((0.75, True), (0.8, False)):
+        r = PrefixAwareRouter(2, BS, [1000, 1000], cache_threshold=threshold)
+        e = r.choose(prompt(1, 0), None, loads(0, 0)).engine
+        busy = [0, 0]
+        busy[e] = 1
+        assert (r.choose(long_prompt, None, loads(*busy)).engine == e) is stays
+
+
+def test_make_router_takes_the_config_thresholds():
+    from impasto.config.engine_args import EngineArgs
+
+    p = EngineArgs(
+        model="m", data_parallel_size=2, router_balance_abs_threshold=9,
+        router_balance_rel_threshold=2.5, router_cache_threshold=0.6,
+    ).parallel_config()  # fmt: skip
+    r = make_router(
+        "prefix_aware", 2, BS, [10, 10], p.router_balance_abs_threshold,
+        p.router_balance_rel_threshold, p.router_cache_threshold,
+    )  # fmt: skip
+    assert isinstance(r, PrefixAwareRouter)
+    assert (r.balance_abs, r.balance_rel, r.cache_threshold) == (9, 2.5, 0.6)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("router_balance_abs_threshold", -1),
+        ("router_balance_abs_threshold", 2.5),
+        ("router_balance_rel_threshold", 0.9),
+        ("router_balance_rel_threshold", "2"),
+        ("router_cache_threshold", 1.5),
+        ("router_cache_threshold", -0.1),
+    ],
+)
+def test_bad_thresholds_are_refused_by_name(field, value):
+    from impasto.config.parallel import ParallelConfig
+    from impasto.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError) as e:
+        ParallelConfig(data_parallel_size=2, **{field: value})
+    assert e.value.param == field
+
+
 def test_lru_capacity_forgets_old_prefixes():
     r = PrefixAwareRouter(1, BS, [3])
     r.choose(prompt(1, 0), None, loads(0))
