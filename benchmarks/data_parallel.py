@@ -2,6 +2,8 @@
 prefix-aware routing against round-robin, in the same run.
 
     python benchmarks/data_parallel.py [--concurrency 32] [--num-prompts 128]
+    python benchmarks/data_parallel.py --num-prefixes 32 --num-prompts 320 --blocks-per-engine 272
+        (docs/benchmarks.md's table: each engine's cache holds about half of the prefixes)
 
 Each configuration is a fresh `impasto serve` of the default model (SmolLM2-135M-Instruct,
 packed Q4_1, bf16 activations) driven by `impasto bench serve` with the `prefix_repetition`

@@ -33,7 +33,7 @@ class ParallelConfig:
     # beyond the idlest and more than `rel` times as many; then the idlest takes the request.
     # Otherwise a predicted cached prefix covering at least `cache_threshold` of the prompt's
     # full blocks wins.
-    router_balance_abs_threshold: int = 4
+    router_balance_abs_threshold: int = 16
     router_balance_rel_threshold: float = 1.5
     router_cache_threshold: float = 0.25
     num_threads: int | None = None  # torch intra-op threads (None: torch's default, all cores)

@@ -137,7 +137,7 @@ class PrefixAwareRouter(LeastLoadedRouter):
         num_engines: int,
         block_size: int,
         capacity_blocks: Sequence[int],
-        balance_abs: int = 4,
+        balance_abs: int = 16,
         balance_rel: float = 1.5,
         cache_threshold: float = 0.25,
     ) -> None:
@@ -175,7 +175,7 @@ def make_router(
     num_engines: int,
     block_size: int,
     capacity_blocks: Sequence[int],
-    balance_abs: int = 4,
+    balance_abs: int = 16,
     balance_rel: float = 1.5,
     cache_threshold: float = 0.25,
 ) -> Router:

@@ -103,7 +103,7 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
         default=None,
         help="prefix-aware routing: loads are out of balance (the idlest engine takes the "
         "request) when the busiest has more than this many requests beyond the idlest "
-        "(default 4) ...",
+        "(default 16) ...",
     )
     p.add_argument(
         "--router-balance-rel-threshold",
