@@ -186,10 +186,14 @@ def test_default_model_tp2_tp3_generate_as_tp1():
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 1073, 1636, 2118]]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
+    # A split packed tensor is dequantized (packed kernels run at TP=1 only), so TP=1 runs the
+    # same arithmetic with `quantization="none"`: against the packed TP=1 (8-bit activations)
+    # the first token of p1 is a near tie (0.007) that the two computations break differently.
     for tp in (1, 2, 3):  # 9 query heads: padded at TP=2, split at TP=3
         engine = LLMEngine(
             EngineArgs(model="smollm2-135m-instruct", tensor_parallel_size=tp, num_threads=1,
-                       dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+                       dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                       quantization="none")
         )  # fmt: skip
         try:
             for i, p in enumerate(prompts):
