@@ -34,6 +34,7 @@ from impasto.loader.tokenizer import (
     load_tokenizer,
 )
 from impasto.models.interface import CausalLM, DiffusionLM
+from impasto.models.layers.embedding import ParallelLMHead
 from impasto.models.layers.parallel import agree_min
 from impasto.sampling_params import SamplingParams
 from impasto.worker.block_diffusion import MaskedBlockRunner
@@ -286,6 +287,7 @@ def _load_draft(
         int(getattr(target_config, "vocab_size", 0)),
         int(getattr(draft_config, "vocab_size", 0)),
         spec.model,
+        spec.draft_vocab_size,
     )
     draft_max = getattr(draft_config, "max_position_embeddings", None) or max_len
     if draft_max < max_len:
@@ -294,7 +296,16 @@ def _load_draft(
             f"The draft model {spec.model!r} handles {draft_max} positions, fewer than "
             f"max_model_len ({max_len}): decrease max_model_len.",
         )
-    return prepare_for_device(load_model(draft_path, draft_config, dtype, packed).to(device))
+    draft = load_model(draft_path, draft_config, dtype, packed).to(device)
+    if spec.draft_vocab_size is not None:  # before device preparation repacks the head
+        head = getattr(draft, "lm_head", None)
+        if not isinstance(head, ParallelLMHead):
+            raise InvalidParameterError(
+                "speculative_config",
+                f"draft_vocab_size: the draft model {spec.model!r} has no LM head to narrow.",
+            )
+        head.limit_vocab(spec.draft_vocab_size)
+    return prepare_for_device(draft)
 
 
 def _build_proposer(spec, draft, sched: SchedulerConfig, dtype, device, seed: int):

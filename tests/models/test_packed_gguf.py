@@ -204,6 +204,30 @@ def test_speculative_decoding_is_lossless_on_packed_weights(packed_gguf):
                     == metrics["impasto:spec_decode_num_draft_tokens"])  # fmt: skip
 
 
+@pytest.mark.parametrize("limit", [96, 100])  # interleaved head rows; a partial group of 8
+def test_draft_vocab_size_narrows_the_draft_head_only(packed_gguf, limit):
+    ps = prompts()
+    expected = generate(make_llm(packed_gguf, enable_prefix_caching=False), ps)
+    spec = dict(model=str(packed_gguf), num_speculative_tokens=3, acceptance_backoff=False,
+                draft_vocab_size=limit)  # fmt: skip
+    llm = make_llm(packed_gguf, speculative_config=spec)
+    assert generate(llm, ps) == expected
+    target, draft = model_of(llm), llm.llm_engine.runner.proposer.model
+    assert isinstance(draft.lm_head.weight, PackedWeight) and draft.lm_head.weight.rows == limit
+    assert draft.model.embed_tokens.weight.rows == 160  # lookups keep the whole table
+    hidden = torch.randn(5, draft.lm_head.weight.cols, generator=torch.Generator().manual_seed(0))
+    full, narrow = target.compute_logits(hidden), draft.compute_logits(hidden)
+    assert narrow.shape == (5, limit)
+    if limit % 8 == 0:  # the same kernel on the same rows
+        assert torch.equal(narrow, full[:, :limit])
+    else:  # the last rows from the row layout: the same sums grouped differently
+        torch.testing.assert_close(narrow, full[:, :limit], rtol=1e-5, atol=1e-5)
+    m = {m.name: m.value for m in llm.get_metrics()}
+    assert (
+        0 < m["impasto:spec_decode_num_accepted_tokens"] < m["impasto:spec_decode_num_draft_tokens"]
+    )
+
+
 def test_eager_fallback_and_dequantized_load_agree_with_the_kernels(packed_gguf, monkeypatch):
     """Without the kernels the packed layers dequantize rows and matmul; with
     quantization='none' every weight is dense. Both compute the same model up to the

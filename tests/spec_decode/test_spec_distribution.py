@@ -46,14 +46,16 @@ def exact_joint(path) -> np.ndarray:
     return joint.flatten().numpy()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_vocab_5"])
 def test_first_tokens_follow_the_target_distribution(models, method):
     target, draft = models
     spec = {"method": method, "num_speculative_tokens": 2, "acceptance_backoff": False}
     if method == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=2)
     else:
-        spec["model"] = str(draft)
+        spec.update(method="draft_model", model=str(draft))
+        if method == "draft_model_vocab_5":  # q = 0 on ids 5..7: the target's still exact
+            spec["draft_vocab_size"] = 5
     llm = make_llm(target, max_num_seqs=256, speculative_config=spec)
     params = [
         SamplingParams(temperature=TEMPERATURE, seed=i, max_tokens=NUM_TOKENS + 1, ignore_eos=True)

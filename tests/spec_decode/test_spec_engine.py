@@ -29,6 +29,9 @@ NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prom
         (dict(NGRAM, typo=1), "unknown key"),
         (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size"),
         (dict(NGRAM, disable_by_batch_size=1), "disable_by_batch_size"),
+        (dict(NGRAM, draft_vocab_size=64), "draft_vocab_size only applies"),
+        (dict(model="/x", num_speculative_tokens=2, draft_vocab_size=0), "draft_vocab_size"),
+        (dict(model="/x", num_speculative_tokens=2, draft_vocab_size=6.5), "draft_vocab_size"),
         ([1, 2], "must be a dict"),
     ],
 )
@@ -54,6 +57,9 @@ def test_engine_refuses_bad_combinations(tiny_llama, tmp_path):
         make_llm(
             tiny_llama, speculative_config=dict(model=str(other_vocab), num_speculative_tokens=2)
         )
+    too_many = dict(model=str(tiny_llama), num_speculative_tokens=2, draft_vocab_size=10**6)
+    with pytest.raises(ValueError, match="draft_vocab_size .* exceeds"):
+        make_llm(tiny_llama, speculative_config=too_many)
     with pytest.raises(ValueError, match="diffusion"):
         make_llm(tiny_llama, speculative_config=NGRAM, diffusion_config={"canvas_length": 16})
 

@@ -38,6 +38,7 @@ def spec_modes(draft, target) -> dict[str, dict]:
             method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3
         ),
         "draft": dict(method="draft_model", model=str(draft), num_speculative_tokens=3),
+        "draft-vocab": dict(model=str(draft), num_speculative_tokens=3, draft_vocab_size=100),
         "self-draft": dict(model=str(target), num_speculative_tokens=4, acceptance_backoff=False),
     }
 

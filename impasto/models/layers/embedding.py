@@ -4,6 +4,10 @@ A packed GGUF table (`quantized.py`) replaces the `weight` parameter by a `Packe
 load (one rank only; with more, it is dequantized): lookups dequantize the rows they read, and
 an LM head tied to it computes on the packed table too (`finish_loading` re-ties the head to the
 embedding's current weight, since the parameter it was tied to is gone).
+
+`ParallelLMHead.limit_vocab(n)` narrows a head to the first n token ids (a draft model's
+reduced vocabulary, `speculative_config["draft_vocab_size"]`): its own view of those rows,
+packed or dense, never a copy.
 """
 
 from __future__ import annotations
@@ -91,6 +95,21 @@ class ParallelLMHead(SwappableLinear, VocabParallelEmbedding):
             self.weight = self.tied_to[0].weight
         if isinstance(self.weight, PackedWeight) and self.linear is plain_linear:
             self.linear = packed_linear_eager
+
+    def limit_vocab(self, n: int) -> None:
+        """From now on compute the logits of token ids [0, n) only: [N, H] -> [N, n]. The
+        head keeps its own view of the first n rows (untied: a tied embedding keeps the whole
+        table for lookups). After loading and before device preparation, at one rank."""
+        if tp_size() != 1:
+            raise ValueError("limit_vocab needs tensor_parallel_size 1")
+        if not 0 < n <= self.num_embeddings:
+            raise ValueError(f"limit_vocab({n}) of a {self.num_embeddings}-token head")
+        w = self.weight
+        head = w.first_rows(n) if isinstance(w, PackedWeight) else w.detach()[:n]
+        del self.weight
+        self.tied_to = []
+        self.weight = head if isinstance(head, PackedWeight) else nn.Parameter(head, False)
+        self.num_embeddings = n
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32
         logits = all_gather_last_dim(self.linear(hidden, self.weight))

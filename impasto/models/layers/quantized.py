@@ -128,6 +128,22 @@ class PackedWeight(nn.Module):
             if self._mapped[i]:  # read once to repack: the file's pages need not stay resident
                 release_pages(blocks)
 
+    def first_rows(self, n: int) -> PackedWeight:
+        """Rows [0, n) as a new weight of views of this one's segments (nothing copied).
+        Before `use_kernel_layout` only: the interleaved layout is derived from the segments."""
+        if not 0 < n <= self.rows:
+            raise ValueError(f"first_rows({n}) of a weight with {self.rows} rows")
+        if self.kernel_qtypes != self.qtypes:
+            raise ValueError("first_rows after use_kernel_layout")
+        parts, start = [], 0
+        for blocks, qtype, mapped in zip(self.blocks, self.qtypes, self._mapped, strict=True):
+            take = min(blocks.shape[0], n - start)
+            if take <= 0:
+                break
+            parts.append(QuantizedTensor(qtype, (take, self.cols), blocks[:take], mapped))
+            start += take
+        return PackedWeight(parts, self.dtype)
+
     @property
     def blocks(self) -> list[torch.Tensor]:
         return [getattr(self, f"segment_{i}") for i in range(len(self.qtypes))]

@@ -6,6 +6,10 @@ target's block tables: the scheduler reserves `num_lookahead_tokens = K` extra s
 request, and preemption, abort and prefix caching need no bookkeeping of their own (a block
 freed for the target is freed for the draft; a request resumes from its prefix hit for both).
 
+With `draft_vocab_size` the draft's head scores token ids below it only: greedy drafts are its
+argmax there, sampled drafts come from q with q = 0 beyond it (still a distribution, so the
+rejection sampler stays exact).
+
 Invariant (end of every step): for each running request, the draft cache holds the draft's KV
 of every committed position below `state.resident.draft.kv_end`, and that is `>=` the target's
 computed tokens. It follows that every full block the prefix cache hands out also holds the
@@ -49,6 +53,8 @@ class DraftModelProposer(Proposer):
     ) -> None:
         super().__init__(config, max_model_len)
         self.model = model
+        # the target's too (checked at load); the head may score fewer (draft_vocab_size)
+        self.vocab_size = model.vocab_size
         self.attn_backend = get_attention_backend()  # the registry's default
         self.device = torch.device(device)
         self.block_size = block_size
@@ -139,12 +145,16 @@ class DraftModelProposer(Proposer):
         """Greedy requests draft the draft's argmax; random ones sample from q (the draft's
         distribution under the request's temperature / top-k / top-p / min-p) and keep q for
         the rejection sampler."""
-        logits = self.model.compute_logits(hidden).float()  # [n, V]
+        logits = self.model.compute_logits(hidden).float()  # [n, V'] (V' < V: draft_vocab_size)
         params: list[SamplingParams] = [
             batch.states[int(step.rows[b])].sampling_params for b in idx
         ]
         tokens = logits.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
+            if logits.shape[1] < self.vocab_size:  # q is 0 past the draft's vocabulary
+                full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+                full[:, : logits.shape[1]] = logits
+                logits = full  # [n, V]
             n = len(params)
             meta = SamplingMetadata.from_params(
                 params, [[]] * n, [[]] * n, positions.tolist(), self.device, self.generator
