@@ -50,9 +50,10 @@ class EngineArgs:
     data_parallel_size: int = 1  # engines behind one front end (config/parallel.py)
     distributed_executor_backend: str | None = None  # "mp" (default) | "uni" | "ray"
     data_parallel_routing: str = "prefix_aware"  # | "round_robin" | "least_loaded"
-    router_balance_abs_threshold: int = 16  # the prefix-aware router's knobs (config/parallel.py)
-    router_balance_rel_threshold: float = 1.5
-    router_cache_threshold: float = 0.25
+    # the prefix-aware router's knobs (defaults and meaning: config/parallel.py)
+    router_balance_abs_threshold: int = ParallelConfig.router_balance_abs_threshold
+    router_balance_rel_threshold: float = ParallelConfig.router_balance_rel_threshold
+    router_cache_threshold: float = ParallelConfig.router_cache_threshold
     num_threads: int | None = None  # CPU threads for torch (default: torch's choice)
     served_model_name: str | None = None
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's default)

@@ -20,7 +20,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from impasto.config.parallel import ParallelConfig
 from impasto.core.hashing import chain_block_hashes
+
+_DEFAULTS = ParallelConfig  # one place for the knobs' defaults (config/parallel.py)
 
 
 class NoEngineError(RuntimeError):
@@ -137,9 +140,9 @@ class PrefixAwareRouter(LeastLoadedRouter):
         num_engines: int,
         block_size: int,
         capacity_blocks: Sequence[int],
-        balance_abs: int = 16,
-        balance_rel: float = 1.5,
-        cache_threshold: float = 0.25,
+        balance_abs: int = _DEFAULTS.router_balance_abs_threshold,
+        balance_rel: float = _DEFAULTS.router_balance_rel_threshold,
+        cache_threshold: float = _DEFAULTS.router_cache_threshold,
     ) -> None:
         super().__init__(num_engines)
         self.block_size = block_size
@@ -175,9 +178,9 @@ def make_router(
     num_engines: int,
     block_size: int,
     capacity_blocks: Sequence[int],
-    balance_abs: int = 16,
-    balance_rel: float = 1.5,
-    cache_threshold: float = 0.25,
+    balance_abs: int = _DEFAULTS.router_balance_abs_threshold,
+    balance_rel: float = _DEFAULTS.router_balance_rel_threshold,
+    cache_threshold: float = _DEFAULTS.router_cache_threshold,
 ) -> Router:
     if policy == "round_robin":
         return RoundRobinRouter(num_engines)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from impasto.config.parallel import ParallelConfig
+
 
 def json_arg(text: str) -> dict:
     try:
@@ -103,20 +105,21 @@ def add_engine_flags(p: argparse.ArgumentParser, positional_model: bool = False)
         default=None,
         help="prefix-aware routing: loads are out of balance (the idlest engine takes the "
         "request) when the busiest has more than this many requests beyond the idlest "
-        "(default 16) ...",
+        f"(default {ParallelConfig.router_balance_abs_threshold}) ...",
     )
     p.add_argument(
         "--router-balance-rel-threshold",
         type=float,
         default=None,
-        help="... and more than this many times as many (default 1.5)",
+        help="... and more than this many times as many "
+        f"(default {ParallelConfig.router_balance_rel_threshold})",
     )
     p.add_argument(
         "--router-cache-threshold",
         type=float,
         default=None,
         help="prefix-aware routing: the fraction of a prompt's blocks a predicted cached "
-        "prefix must cover to decide the engine (default 0.25)",
+        f"prefix must cover to decide the engine (default {ParallelConfig.router_cache_threshold})",
     )
     p.add_argument("--max-logprobs", type=int, default=None, help="cap on requested logprobs")
     p.add_argument(
