@@ -188,6 +188,11 @@ inline __m256i dot_lanes_scaled(__m256i u, __m256i s, int a, int b) {
 #endif
 }
 
+// Keeps `v` in a register at this point. Without it GCC re-associates a chain of integer adds
+// into a tree and parks every maddubs result on the stack until the tree's sums (a store and a
+// reload per product): measured 2x slower on AVX2 at 4 activation rows.
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // 16 bytes of nibble pairs -> 32 bytes: low nibbles (values 0-15), then high nibbles (16-31).

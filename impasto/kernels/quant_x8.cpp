@@ -185,7 +185,7 @@ struct Dot32 {
       if constexpr (std::is_same_v<X, X8Q8_0>) {
         for (int g = 0; g < 8; ++g) {  // signed x signed: |w| meets x carrying w's sign
           const __m256i v = load32(blk.qs[g]), u = _mm256_sign_epi8(v, v);
-          for (int t = 0; t < NX; ++t) ia[t] = dot_acc(ia[t], u, _mm256_sign_epi8(bcast4(x[t][b].q + 4 * g), v));
+          for (int t = 0; t < NX; ++t) ia[t] = dot_acc(ia[t], u, _mm256_sign_epi8(bcast4(x[t][b].q + 4 * g), v)), pin(ia[t]);
         }
       } else if constexpr (kSum16) {
         // 4 groups x (low, high) of 4-bit values: 8 maddubs sums <= 30,480 in int16; 5-bit
@@ -204,8 +204,9 @@ struct Dot32 {
           for (int t = 0; t < NX; ++t) {
             const int8_t* q = x[t][b].q + 4 * G;
             s16[t] = _mm256_add_epi16(s16[t], pairs16(lo, bcast4(q)));
-            if constexpr (kFifth) h16[t] = _mm256_add_epi16(h16[t], pairs16(hi, bcast4(q + 16)));
+            if constexpr (kFifth) h16[t] = _mm256_add_epi16(h16[t], pairs16(hi, bcast4(q + 16))), pin(h16[t]);
             else s16[t] = _mm256_add_epi16(s16[t], pairs16(hi, bcast4(q + 16)));
+            pin(s16[t]);
           }
         };
         group.template operator()<0>();
@@ -230,6 +231,7 @@ struct Dot32 {
             const int8_t* q = x[t][b].q + 4 * G;
             ia[t] = dot_acc(ia[t], lo, bcast4(q));
             ia[t] = dot_acc(ia[t], hi, bcast4(q + 16));
+            pin(ia[t]);
           }
         };
         group.template operator()<0>();
@@ -279,6 +281,7 @@ struct Q4_KX8 {
             const int8_t* q = x[t][b].q + 64 * c + 4 * g;
             alo[t] = sub_acc(alo[t], lo, bcast4(q));
             ahi[t] = sub_acc(ahi[t], hi, bcast4(q + 32));
+            pin(alo[t]), pin(ahi[t]);
           }
         }
         const __m256i sl = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk.sc[2 * c])));
@@ -324,6 +327,7 @@ struct Q6_KX8 {
             const int8_t* q = x[t][b].q + 64 * C + 4 * G;
             alo[t] = dot_acc(alo[t], lo, bcast4(q));
             ahi[t] = dot_acc(ahi[t], hi, bcast4(q + 32));
+            pin(alo[t]), pin(ahi[t]);
           }
         };
         for (int t = 0; t < NX; ++t) a0[t] = a1[t] = a2[t] = a3[t] = _mm256_setzero_si256();
@@ -367,6 +371,7 @@ struct Q6_KX8 {
             const __m256i l16 = _mm256_add_epi16(pairs16(lo0, bcast4(q)), pairs16(lo1, bcast4(q + 4)));
             const __m256i h16 = _mm256_add_epi16(pairs16(hi0, bcast4(q + 32)), pairs16(hi1, bcast4(q + 36)));
             isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(l16, slo), _mm256_madd_epi16(h16, shi)));
+            pin(isum[t]);
           }
         };
         two.template operator()<0>(first(p0), first(p1));
