@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="no C++ compiler for t
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # (weight rows, columns in blocks of 256, activation rows): GEMV, small and large batches,
-# rows not a multiple of the 4-row passes, more rows than the 64-row tile, odd row counts.
+# rows not a multiple of the 4- to 6-row passes, more rows than the 64-row tile, odd row counts.
 SHAPES = [(64, 2, 1), (37, 3, 2), (33, 1, 7), (130, 4, 70), (5, 1, 129)]
 
 
