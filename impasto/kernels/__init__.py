@@ -61,6 +61,7 @@ SOURCES = (
     _DIR / "diffusion_ops.cpp",
     _DIR / "quant_ops.cpp",
     _DIR / "quant_x8.cpp",
+    _DIR / "quant_x8_repack.cpp",
     _DIR / "token_mask_ops.cpp",
 )
 HEADERS = (
@@ -68,6 +69,7 @@ HEADERS = (
     _DIR / "quant_ops.h",
     _DIR / "quant_blocks.h",
     _DIR / "quant_x8.h",
+    _DIR / "quant_x8_layout.h",
 )
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change

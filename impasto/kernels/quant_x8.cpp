@@ -11,7 +11,7 @@
 // one instruction per sub-block, and the lanes are the 8 outputs: no horizontal sums.
 //
 // Layout: a group's blocks in order; one record per (group, block) holding each GGML field of
-// the 8 rows, field by field (structs below). Scales stay IEEE halves and the quants keep their
+// the 8 rows, field by field (quant_x8_layout.h). Scales stay IEEE halves and the quants keep their
 // bits. Q6_K's and Q5_x's high bits are
 // regrouped so each 4-byte lane group decodes with shifts and masks only. A record is 8 GGML
 // blocks' bytes, rearranged, except Q4_K's, whose 6-bit scales and mins are unpacked to bytes
@@ -24,117 +24,13 @@
 // layouts agree to float rounding, not bit for bit; a model uses one of them for all its steps.
 #include "quant_x8.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-
 #include <type_traits>
+
+#include "quant_x8_layout.h"
 
 namespace impasto_quant {
 namespace {
-
-#pragma pack(push, 1)
-// [g][r][k]: byte k of lane r (weight row r) in 4-byte group g.
-struct X8Q4_0 { uint16_t d[8]; uint8_t qs[4][8][4]; };
-struct X8Q4_1 { uint16_t d[8], m[8]; uint8_t qs[4][8][4]; };
-// qh[r][k]: bit 2g = fifth bit of value 4g + k, bit 2g + 1 = of value 16 + 4g + k.
-struct X8Q5_0 { uint16_t d[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; };
-struct X8Q5_1 { uint16_t d[8], m[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; };
-struct X8Q8_0 { uint16_t d[8]; int8_t qs[8][8][4]; };
-// Q4_K: chunk c of 64 values: low nibbles = sub-block 2c, high = 2c + 1 (GGML's order).
-// sc[j][r]: sub-block j's 6-bit scale; mn[i][r] = the mins of sub-blocks 2i and 2i + 1.
-struct X8Q4_K { uint16_t d[8], dmin[8]; uint8_t sc[8][8]; uint8_t mn[4][8][2]; uint8_t qs[4][8][8][4]; };
-// Q6_K, values u = q + 32 in [0, 63] in natural order, chunk c after chunk c (read in address
-// order: hardware prefetchers follow one stream, not two): ch[c].ql[g][r][k] low nibble = low 4
-// bits of value 64c + 4g + k, high nibble = of 64c + 32 + 4g + k; ch[c].qh[g / 2][r][k] bits
-// 4 (g % 2) + 2h, + 1 = top 2 bits of value 64c + 32h + 4g + k; sc[i][r] = scales 2i, 2i + 1
-// (scale s covers values 16s .. 16s + 15).
-struct X8Q6_KChunk { uint8_t ql[8][8][4]; uint8_t qh[4][8][4]; };
-struct X8Q6_K { uint16_t d[8]; int8_t sc[8][8][2]; X8Q6_KChunk ch[4]; };
-#pragma pack(pop)
-static_assert(sizeof(X8Q4_0) == 8 * sizeof(BlockQ4_0) && sizeof(X8Q4_1) == 8 * sizeof(BlockQ4_1));
-static_assert(sizeof(X8Q5_0) == 8 * sizeof(BlockQ5_0) && sizeof(X8Q5_1) == 8 * sizeof(BlockQ5_1));
-static_assert(sizeof(X8Q8_0) == 8 * sizeof(BlockQ8_0));
-static_assert(sizeof(X8Q4_K) == 8 * sizeof(BlockQ4_K) + 32);  // scales unpacked: 16 bytes a row, not 12
-static_assert(sizeof(X8Q6_K) == 8 * sizeof(BlockQ6_K));
-
-// ---------------------------------------------------------------- repacking (scalar, once)
-// Block b of weight row r of the group starting at `src` (rows `row_bytes` apart).
-template <typename Blk>
-const Blk& src_block(const uint8_t* src, int64_t row_bytes, int r, int64_t b) {
-  return reinterpret_cast<const Blk*>(src + r * row_bytes)[b];
-}
-
-template <typename X, typename Blk>
-void repack_32(const uint8_t* src, int64_t row_bytes, int64_t b, X& out) {
-  for (int r = 0; r < 8; ++r) {
-    const Blk& s = src_block<Blk>(src, row_bytes, r, b);
-    out.d[r] = s.d;
-    if constexpr (requires { out.m; }) out.m[r] = s.m;
-    constexpr int groups = sizeof(out.qs) / 32;  // 4-byte groups per lane: 4 (nibbles) or 8
-    for (int g = 0; g < groups; ++g) std::memcpy(out.qs[g][r], s.qs + 4 * g, 4);
-    if constexpr (requires { out.qh; }) {
-      uint32_t bits;
-      std::memcpy(&bits, s.qh, 4);
-      for (int k = 0; k < 4; ++k) {
-        uint8_t v = 0;
-        for (int g = 0; g < 4; ++g) {
-          v |= static_cast<uint8_t>(((bits >> (4 * g + k)) & 1u) << (2 * g));
-          v |= static_cast<uint8_t>(((bits >> (16 + 4 * g + k)) & 1u) << (2 * g + 1));
-        }
-        out.qh[r][k] = v;
-      }
-    }
-  }
-}
-
-void repack_q4k(const uint8_t* src, int64_t row_bytes, int64_t b, X8Q4_K& out) {
-  for (int r = 0; r < 8; ++r) {
-    const BlockQ4_K& s = src_block<BlockQ4_K>(src, row_bytes, r, b);
-    out.d[r] = s.d;
-    out.dmin[r] = s.dmin;
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, s.scales, sc, m);
-      out.sc[j][r] = static_cast<uint8_t>(sc);
-      out.mn[j / 2][r][j % 2] = static_cast<uint8_t>(m);
-    }
-    for (int c = 0; c < 4; ++c)
-      for (int g = 0; g < 8; ++g) std::memcpy(out.qs[c][g][r], s.qs + 32 * c + 4 * g, 4);
-  }
-}
-
-void repack_q6k(const uint8_t* src, int64_t row_bytes, int64_t b, X8Q6_K& out) {
-  for (int r = 0; r < 8; ++r) {
-    const BlockQ6_K& s = src_block<BlockQ6_K>(src, row_bytes, r, b);
-    uint8_t u[256];  // GGML's Q6_K order: value 128n + 32j + l
-    for (int v = 0; v < 256; ++v) {
-      const int n = v / 128, j = (v % 128) / 32, l = v % 32;
-      const uint8_t ql = s.ql[64 * n + l + 32 * (j & 1)];
-      const int lo4 = j < 2 ? ql & 0xF : ql >> 4;
-      u[v] = static_cast<uint8_t>(lo4 | ((s.qh[32 * n + l] >> (2 * j)) & 3) << 4);
-    }
-    out.d[r] = s.d;
-    for (int i = 0; i < 8; ++i) out.sc[i][r][0] = s.scales[2 * i], out.sc[i][r][1] = s.scales[2 * i + 1];
-    for (int c = 0; c < 4; ++c) {
-      for (auto& q : out.ch[c].qh) std::memset(q[r], 0, 4);
-      for (int g = 0; g < 8; ++g)
-        for (int k = 0; k < 4; ++k) {
-          const int lo = u[64 * c + 4 * g + k], hi = u[64 * c + 32 + 4 * g + k];
-          out.ch[c].ql[g][r][k] = static_cast<uint8_t>((lo & 0xF) | (hi & 0xF) << 4);
-          out.ch[c].qh[g / 2][r][k] |= static_cast<uint8_t>(((lo >> 4) | (hi >> 4) << 2) << (4 * (g % 2)));
-        }
-    }
-  }
-}
-
-template <typename X>
-void repack_all(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t nb, X* dst,
-                void (*one)(const uint8_t*, int64_t, int64_t, X&)) {
-  at::parallel_for(0, rows / 8, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t g = lo; g < hi; ++g)
-      for (int64_t b = 0; b < nb; ++b) one(src + 8 * g * row_bytes, row_bytes, b, dst[g * nb + b]);
-  });
-}
+using namespace x8;
 
 #ifdef IMPASTO_AVX2
 // ---------------------------------------------------------------- kernels
@@ -471,36 +367,6 @@ bool x8_supported(int64_t qtype) {
   (void)qtype;
   return false;
 #endif
-}
-
-int64_t x8_group_bytes(int64_t qtype, int64_t cols) {
-  const TypeInfo ti = type_info(qtype);
-  const int64_t record = qtype == kQ4_K ? static_cast<int64_t>(sizeof(X8Q4_K)) : 8 * ti.bytes;
-  return cols / ti.elems * record;
-}
-
-at::Tensor x8_repack(const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(x8_supported(qtype), "quant_repack: no interleaved kernels for GGML type ", qtype, " in this build");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(0) % 8 == 0,
-              "quant_repack: blocks must be contiguous uint8 [rows, row_bytes] with rows a multiple of 8");
-  const TypeInfo ti = type_info(qtype);
-  const int64_t rows = blocks.size(0), row_bytes = blocks.size(1);
-  TORCH_CHECK(row_bytes % ti.bytes == 0, "quant_repack: rows of ", row_bytes, " bytes are not whole blocks of type ", qtype);
-  const int64_t nb = row_bytes / ti.bytes;
-  auto out = at::empty({rows / 8, x8_group_bytes(qtype, nb * ti.elems)}, blocks.options());
-  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
-  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
-  switch (qtype) {
-    case kQ4_0: repack_all<X8Q4_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_0*>(dst), repack_32<X8Q4_0, BlockQ4_0>); break;
-    case kQ4_1: repack_all<X8Q4_1>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_1*>(dst), repack_32<X8Q4_1, BlockQ4_1>); break;
-    case kQ5_0: repack_all<X8Q5_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q5_0*>(dst), repack_32<X8Q5_0, BlockQ5_0>); break;
-    case kQ5_1: repack_all<X8Q5_1>(src, rows, row_bytes, nb, reinterpret_cast<X8Q5_1*>(dst), repack_32<X8Q5_1, BlockQ5_1>); break;
-    case kQ8_0: repack_all<X8Q8_0>(src, rows, row_bytes, nb, reinterpret_cast<X8Q8_0*>(dst), repack_32<X8Q8_0, BlockQ8_0>); break;
-    case kQ4_K: repack_all<X8Q4_K>(src, rows, row_bytes, nb, reinterpret_cast<X8Q4_K*>(dst), repack_q4k); break;
-    case kQ6_K: repack_all<X8Q6_K>(src, rows, row_bytes, nb, reinterpret_cast<X8Q6_K*>(dst), repack_q6k); break;
-    default: break;
-  }
-  return out;
 }
 
 void x8_run(int64_t qtype, const uint8_t* w, int64_t group_bytes, int64_t g_lo, int64_t g_hi, const void* acts,
