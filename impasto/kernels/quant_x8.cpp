@@ -335,14 +335,14 @@ void run_groups(const uint8_t* w, int64_t group_bytes, int64_t g_lo, int64_t g_h
   const Act* xs[NX];
   __m256 acc[NX];
   alignas(32) float res[8];
-  auto n_of = [](int64_t left) { return (left + (left + NX - 1) / NX - 1) / ((left + NX - 1) / NX); };
   for (int64_t t0 = 0; t0 < rows; t0 += kTile) {
     const int64_t tn = std::min(kTile, rows - t0);
     for (int64_t g = g_lo; g < g_hi; ++g) {
       const uint8_t* wg = w + g * group_bytes;
       // passes of near-equal sizes (8 rows at NX = 6: 4 + 4, not 6 + 2)
-      for (int64_t t = t0, left = tn; left > 0; t += n_of(left), left -= n_of(left)) {
-        const int64_t n = n_of(left);
+      const int64_t passes = (tn + NX - 1) / NX;
+      for (int64_t p = 0, t = t0, n; p < passes; ++p, t += n) {
+        n = (t0 + tn - t) / (passes - p);
         for (int64_t i = 0; i < n; ++i) xs[i] = acts + (t + i) * nb, acc[i] = _mm256_setzero_ps();
         run_rows<Dot, NX>(n, wg, xs, nb, acc);
         for (int64_t i = 0; i < n; ++i) {
