@@ -41,16 +41,25 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(Block
 static_assert(sizeof(BlockQ5_1) == 24 && sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144);
 static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210);
 
-// Quantized activations. 32-blocks: d * q ~ x, `dsum` = d * (sum of q), for the weights' zero
-// points and mins. K: d * q ~ x over 256 values, bsums[g] = sum of q[16 g .. 16 g + 15],
-// sums32[j] = bsums[2 j] + bsums[2 j + 1] (the interleaved kernels' mins, quant_x8.cpp).
-struct ActQ8 { float d; float dsum; int8_t q[32]; };
+// Quantized activations, rounded as llama.cpp rounds its own (Q8_0 / Q8_1 / Q8_K blocks), so
+// that a packed model computes what llama.cpp computes on the same file, not merely something
+// as close to the float result. 32-blocks: q = round(x * 127 / amax), `d` = amax / 127 rounded
+// to a half float (llama.cpp stores it so), `dsum` = d * (sum of q) (exact in float32: an 11-bit
+// mantissa times |sum| < 2^12), for the Q4_0 / Q5_0 zero points, and `msum` = (amax / 127) *
+// (sum of q) rounded to a half float (Q8_1's `s`), which the Q4_1 / Q5_1 mins multiply.
+// K: d * q ~ x over 256 values with d = 1 / (127 / amax) in float32, bsums[g] = sum of
+// q[16 g .. 16 g + 15], sums32[j] = bsums[2 j] + bsums[2 j + 1] (the interleaved kernels' mins,
+// quant_x8.cpp).
+struct ActQ8 { float d; float dsum; float msum; int8_t q[32]; };
 struct ActQ8K { float d; int16_t bsums[16]; int8_t q[256]; int16_t sums32[8]; };
 
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  // one instruction
+// v rounded to the nearest half float (ties to even), back in float32.
+inline float round_half(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
 #else
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float round_half(float v) { return static_cast<float>(c10::Half(v)); }
 #endif
 
 struct TypeInfo { int64_t elems, bytes; bool k; };
@@ -80,12 +89,11 @@ inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
 }
 
 // ---------------------------------------------------------------- activation quantization
-// Round to nearest even by adding and subtracting 1.5 * 2^23 (|v| <= 127 here): the same
-// rounding as the vector conversion, and plain arithmetic, so GCC vectorizes the loops.
-inline float round_even(float v) {
-  constexpr float kRound = 12582912.0f;
-  return (v + kRound) - kRound;
-}
+// Round to nearest even (the default rounding mode), as llama.cpp's vector conversion does. It
+// must round the float32 product x * id, not the exact one: the old "add 1.5 * 2^23" trick let
+// -ffp-contract=fast fuse the multiply into an FMA, which rounds ties of the product differently.
+// nearbyint cannot be fused and GCC still vectorizes it (vroundps).
+inline float round_even(float v) { return std::nearbyint(v); }
 
 inline float abs_max(const float* x, int64_t n) {
   float m = 0.0f;
@@ -104,8 +112,10 @@ inline void quantize_q8(const float* x, int64_t n, ActQ8* out) {
       out[b].q[i] = static_cast<int8_t>(v);
       sum += v;
     }
-    out[b].d = amax / 127.0f;
+    const float d = amax / 127.0f;
+    out[b].d = round_half(d);
     out[b].dsum = out[b].d * static_cast<float>(sum);
+    out[b].msum = round_half(d * static_cast<float>(sum));
   }
 }
 
@@ -121,7 +131,7 @@ inline void quantize_q8k(const float* x, int64_t n, ActQ8K* out) {
       out[b].bsums[g] = static_cast<int16_t>(s);
     }
     for (int j = 0; j < 8; ++j) out[b].sums32[j] = static_cast<int16_t>(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
-    out[b].d = amax / 127.0f;
+    out[b].d = amax > 0.0f ? 1.0f / id : 0.0f;  // llama.cpp's 1 / iscale, not amax / 127
   }
 }
 

@@ -67,7 +67,7 @@ template <int NX> struct Q4_1Dot {
       for (int t = 0; t < NX; ++t) {
         const ActQ8& a = xs[t][b];
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(q, load32(a.q))), _mm256_set1_ps(d * a.d), acc[t]);
-        off[t] -= m * a.dsum;  // the min adds m * sum(x)
+        off[t] -= m * a.msum;  // the min adds m * sum(x)
       }
     });
   }
@@ -94,7 +94,7 @@ template <int NX> struct Q5_1Dot {
       for (int t = 0; t < NX; ++t) {
         const ActQ8& a = xs[t][b];
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(q, load32(a.q))), _mm256_set1_ps(d * a.d), acc[t]);
-        off[t] -= m * a.dsum;
+        off[t] -= m * a.msum;
       }
     });
   }

@@ -143,7 +143,7 @@ struct Dot32 {
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[t]);
         if constexpr (kZero == Zero::k8) acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(8.0f * a.dsum), acc[t]);
         if constexpr (kZero == Zero::k16) acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(16.0f * a.dsum), acc[t]);
-        if constexpr (kZero == Zero::kMin) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.dsum), acc[t]);
+        if constexpr (kZero == Zero::kMin) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.msum), acc[t]);
       }
     }
   }

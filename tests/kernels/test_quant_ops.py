@@ -3,9 +3,18 @@ dequantization followed by a float64 matmul.
 
 Tolerance, from the arithmetic: the weights are exact (integers times their block scales), the
 integer dot products are exact, so the one approximation is the activations' rounding to 8 bits
-per block: |x_i - d q_i| <= d / 2 with d = max|x over the block| / 127. A row's error is thus at
-most sum over blocks of d_b / 2 * sum |w_i| over the block, plus float32 accumulation (relative
-~1e-6 of sum |w_i x_i| over a few thousand terms; 1e-5 allowed). The bound is computed per output.
+per block: q_i = round(x_i / d) with d = max|x over the block| / 127, so |x_i - d q_i| <= d / 2.
+The 32-blocks types keep d as a half float d' (as llama.cpp does), which adds at most
+127 |d - d'| <= 127 (2^-11 d + 2^-25) (relative rounding of a normal half, absolute of a
+subnormal one), and their mins (Q4_1 / Q5_1) meet sum(x) as half(d * sum q), off from
+d' * sum q by at most 2 * 32 * 127 * (2^-11 d + 2^-25). A row's error is thus at most the sum
+over blocks of that step times sum |w_i| over the block (plus |min| times the sum's rounding),
+plus float32 accumulation (relative ~1e-6 of sum |w_i x_i| over a few thousand terms; 1e-5
+allowed). The bound is computed per output.
+
+Beyond the bound, the activations are rounded exactly as llama.cpp rounds them (its Q8_0 / Q8_1
+/ Q8_K blocks): a numpy reference of that rounding gives the kernel's result to float32
+accumulation (test_activations_round_as_llamacpp).
 """
 
 from __future__ import annotations
@@ -67,14 +76,58 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, nb * nbytes)
 
 
-def error_bound(x: np.ndarray, w: np.ndarray, elems: int) -> np.ndarray:
+def block_mins(blocks: np.ndarray, qtype: Q) -> np.ndarray | None:
+    """[O, nb] |min| of each block of Q4_1 / Q5_1 weights (their bytes 2-3); None otherwise."""
+    if qtype not in (Q.Q4_1, Q.Q5_1):
+        return None
+    nbytes = GGML_QUANT_SIZES[qtype][1]
+    raw = np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1, nbytes)[..., 2:4])
+    return np.abs(raw.view(np.float16)[..., 0].astype(np.float64))
+
+
+HALF_REL, HALF_ABS = 2.0**-11, 2.0**-25  # a half float's rounding: relative, subnormal
+
+
+def error_bound(x: np.ndarray, w: np.ndarray, elems: int, mins=None) -> np.ndarray:
     """[T, O] bound on |kernel - exact| (see the module docstring)."""
     t, n = x.shape
     act = 256 if elems == 256 else 32  # activation block = the weight's block family
-    half_step = np.abs(x).reshape(t, n // act, act).max(-1) / 127 / 2  # [T, nb]
+    d = np.abs(x).reshape(t, n // act, act).max(-1) / 127  # [T, nb]
+    scale_err = 0.0 if act == 256 else 127 * (HALF_REL * d + HALF_ABS)
+    step = d / 2 + scale_err  # [T, nb]
     wabs = np.abs(w).reshape(w.shape[0], n // act, act).sum(-1)  # [O, nb]
-    rounding = half_step @ wabs.T
+    rounding = step @ wabs.T
+    if mins is not None:
+        rounding = rounding + (2 * 32 * 127 * (HALF_REL * d + HALF_ABS)) @ mins.T
     return rounding * 1.001 + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
+
+
+def llamacpp_matmul(x: np.ndarray, w: np.ndarray, blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """[T, O] float64: x @ w.T with x rounded to 8 bits per block as llama.cpp rounds it (Q8_0
+    / Q8_1 for the 32-blocks types, Q8_K for the K-quants), in float32 like llama.cpp."""
+    t, n = x.shape
+    act = GGML_QUANT_SIZES[qtype][0]
+    xb = x.astype(np.float32).reshape(t, n // act, act)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None])  # float32 product, ties to even
+    if act == 256:
+        d = np.where(amax > 0, np.float32(1) / inv, np.float32(0)).astype(np.float64)
+    else:
+        d32 = (amax / np.float32(127)).astype(np.float32)
+        d = d32.astype(np.float16).astype(np.float64)
+    xq = (d[..., None] * q).reshape(t, n)  # [T, n]
+    y = xq @ w.T
+    mins = block_mins(blocks, qtype)
+    if mins is not None:  # the mins meet Q8_1's s = half(d * sum q), not sum(d' q)
+        qsum = q.sum(-1).astype(np.float32)
+        s = (d32 * qsum).astype(np.float16).astype(np.float64)  # [T, nb]
+        nbytes = GGML_QUANT_SIZES[qtype][1]
+        raw = np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1, nbytes)[..., 2:4])
+        m = raw.view(np.float16)[..., 0].astype(np.float64)  # [O, nb]
+        y = y + (s - d * qsum) @ m.T
+    return y
 
 
 LAYOUTS = ["rows", "x8"]  # GGML's row layout; rows interleaved by 8 (quant_x8.cpp)
@@ -111,10 +164,30 @@ def test_matmul_within_activation_rounding(ops, qtype, shape, layout):
     x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
     y = run(ops, x, [blocks], [qtype], layout=layout).double().numpy()
     exact = x.double().numpy() @ w.T
-    bound = error_bound(x.double().numpy(), w, GGML_QUANT_SIZES[qtype][0])
+    mins = block_mins(blocks, qtype)
+    bound = error_bound(x.double().numpy(), w, GGML_QUANT_SIZES[qtype][0], mins)
     assert np.all(np.abs(y - exact) <= bound), np.max(np.abs(y - exact) / bound)
     # and the bound is not vacuous: the error is a visible fraction of it somewhere
     assert np.max(np.abs(y - exact) / bound) > 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_activations_round_as_llamacpp(ops, qtype, layout):
+    """The kernel computes what llama.cpp computes on the same blocks: with the activations
+    rounded by llama.cpp's rules the result agrees to float32 accumulation, far inside the
+    rounding bound (one q off by one in a row moves it by d |w_i|, ~100x this tolerance)."""
+    rows, cols, t = rows_for(layout, 24), 1024, 7
+    blocks = random_blocks(qtype, rows, cols, seed=11)
+    w = dequantize(blocks, qtype).reshape(rows, cols).astype(np.float64)
+    x = torch.randn(t, cols, generator=torch.Generator().manual_seed(5)) * 3
+    y = run(ops, x, [blocks], [qtype], layout=layout).double().numpy()
+    ref = llamacpp_matmul(x.numpy(), w, blocks, qtype)
+    tol = 2e-6 * (np.abs(x.double().numpy()) @ np.abs(w).T) + 1e-30
+    assert np.all(np.abs(y - ref) <= tol), np.max(np.abs(y - ref) / tol)
+    # and it is not merely the float result: that one differs by far more than the tolerance
+    exact = x.double().numpy() @ w.T
+    assert np.max(np.abs(exact - ref) / tol) > 10
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -222,6 +295,7 @@ def test_eager_fallback_agrees(ops):
                 x.double().numpy(),
                 t.dequantize(torch.float64).numpy(),
                 GGML_QUANT_SIZES[Q(t.qtype)][0],
+                block_mins(t.blocks.numpy(), Q(t.qtype)),
             )  # fmt: skip
             for t in tensors
         ],
