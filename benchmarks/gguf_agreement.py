@@ -17,7 +17,9 @@ engine's next-token distribution is compared with llama.cpp's (the reference):
   and the mean |NLL difference| per position.
 
 Engines, each in its own process: llama.cpp (llama-cpp-python, `logits_all=True`, run by the
-python of its own virtualenv: `--llamacpp-python` or $IMPASTO_BENCH_LLAMACPP_PYTHON), impasto
+python of its own virtualenv: `--llamacpp-python` or $IMPASTO_BENCH_LLAMACPP_PYTHON; its KV
+cache in f16, its default, or `llama.cpp:f32`, which shows how far llama.cpp moves from
+itself under a perturbation as small as its KV cache's rounding), impasto
 (`prompt_logprobs`, one run per `--impasto-dtypes`), and transformers on the weights it
 dequantizes itself from the GGUF (fp32): the agreement two independent fp32 implementations
 reach is the yardstick. Without llama.cpp, transformers is the reference.
@@ -241,13 +243,15 @@ def run_model(model: str, args: argparse.Namespace, text: str) -> dict[str, Any]
     python = llamacpp_python(args.llamacpp_python)
     for engine in args.engines:
         try:
-            if engine == "llama.cpp":
+            if engine.partition(":")[0] == "llama.cpp":
                 if python is None:
                     errors[engine] = "no llama.cpp python (--llamacpp-python)"
                     continue
                 prefix = text[: args.tokens * 12]
-                out = run_llamacpp(python, {**spec, "mode": "logits", "text": prefix})
-                extra["llama.cpp"] = out.pop("info")
+                kv = engine.partition(":")[2] or "f16"
+                job = {**spec, "mode": "logits", "text": prefix, "kv_type": kv}
+                out = run_llamacpp(python, job)
+                extra[engine] = out.pop("info")
                 extra["tokenizer_check"] = tokenizer_check(ids, out.pop("text_ids"))
                 results[engine] = out
             elif engine.startswith("impasto"):
@@ -260,7 +264,7 @@ def run_model(model: str, args: argparse.Namespace, text: str) -> dict[str, Any]
         except Exception as e:  # one engine failing must not hide the others
             errors[engine] = str(e).strip().splitlines()[-1][:200]
             print(f"# {model}: {engine} failed:\n{e}", file=sys.stderr)
-    ref_name = "llama.cpp" if "llama.cpp" in results else None
+    ref_name = next((e for e in results if e.startswith("llama.cpp")), None)
     yard_name = "transformers" if "transformers" in results else None
     if ref_name is None and yard_name is not None:
         ref_name, yard_name = yard_name, None
@@ -297,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         nargs="+",
         default=None,
-        help="llama.cpp, impasto[:DTYPE], transformers (default: all, impasto per dtype)",
+        help="llama.cpp[:f32], impasto[:DTYPE], transformers (default: llama.cpp, impasto per "
+        "dtype, transformers; the first llama.cpp is the reference)",
     )
     ap.add_argument("--impasto-dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--tokens", type=int, default=2048, help="text tokens scored (whole windows)")
@@ -318,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(out_path).write_text(json.dumps(out))
         return 0
     if args.engines is None:
-        args.engines = ["llama.cpp", *(f"impasto:{d}" for d in args.impasto_dtypes), "transformers"]
+        impasto = [f"impasto:{d}" for d in args.impasto_dtypes]
+        args.engines = ["llama.cpp", "llama.cpp:f32", *impasto, "transformers"]
     text = load_play(Path(args.cache))
     report = [run_model(m, args, text) for m in args.models]
     if args.json:

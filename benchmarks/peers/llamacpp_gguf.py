@@ -9,7 +9,8 @@ virtualenv that has llama-cpp-python; imports nothing of impasto. The spec is JS
 
 - logits: `windows` (token id lists) are evaluated with `logits_all=True`; per scored position
   (every position but a window's last) we keep the argmax, the top-2 logit gap, the NLL of the
-  next token and the top-`k` ids / logprobs.
+  next token and the top-`k` ids / logprobs. `kv_type` "f16" (llama.cpp's default) or "f32"
+  is the KV cache's type.
 - bench: `workloads` {name: {"prompts": [[ids]], "new_tokens": n}}; each runs greedy (EOS
   ignored) through the low-level batch API, all prompts as parallel sequences of one context
   (one `llama_decode` per step), `repeats` times after a warm-up, plus up to `max_retries`
@@ -61,6 +62,10 @@ def logit_stats(logits: np.ndarray, next_ids: np.ndarray, k: int) -> dict:
     }
 
 
+# ggml's type ids for the KV cache types the logits mode offers.
+KV_TYPES = {"f32": 0, "f16": 1}
+
+
 def run_logits(spec: dict) -> dict:
     from llama_cpp import Llama
 
@@ -76,6 +81,8 @@ def run_logits(spec: dict) -> dict:
         logits_all=True,
         verbose=False,
         seed=0,
+        type_k=KV_TYPES[spec.get("kv_type", "f16")],
+        type_v=KV_TYPES[spec.get("kv_type", "f16")],
     )
     out: dict = {"argmax": [], "gap": [], "nll": [], "top_ids": [], "top_lps": []}
     t0 = time.perf_counter()
