@@ -46,8 +46,6 @@ import random
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,24 +54,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak_ar_workload import EOS, VOCAB, Workload  # noqa: E402
+from soak_ar_checks import (  # noqa: E402
+    LosslessSample,
+    Report,
+    Tracked,
+    check_batch,
+    check_end,
+    check_finished,
+    check_state,
+)
+from soak_ar_workload import Workload  # noqa: E402
 from soak_common import (  # noqa: E402
     RssSampler,
     StepTap,
     build_tiny_llama,
-    end_problems,
     mib,
     print_table,
-    state_problems,
 )
 
 from impasto.config import EngineArgs  # noqa: E402
 from impasto.core import RequestStatus  # noqa: E402
 from impasto.core.outputs import SchedulerOutput  # noqa: E402
-from impasto.core.scheduler import PADDING_TOKEN_ID  # noqa: E402
 from impasto.engine.engine import LLMEngine  # noqa: E402
 from impasto.outputs import RequestOutput  # noqa: E402
-from impasto.sampling_params import SamplingParams  # noqa: E402
 
 # Relative abort rates per phase of the request (see `ArSoak.maybe_abort`).
 ABORT_WEIGHTS = {
@@ -83,42 +86,6 @@ ABORT_WEIGHTS = {
     "mid-recompute": 4.0,
     "mid-decode": 1.0,
 }
-
-
-# -- bookkeeping -------------------------------------------------------------------------------
-
-
-@dataclass
-class Tracked:
-    """What the soak knows about one user request."""
-
-    prompt: list[int]
-    params: SamplingParams
-    children: list[str]  # scheduler ids, in completion order
-    output: RequestOutput | None = None
-    aborted: str | None = None  # the phase it was aborted in
-    preemptions: int = 0
-
-
-@dataclass
-class Report:
-    anomalies: list[str] = field(default_factory=list)
-    preemptions: int = 0
-    resumes: int = 0
-    steps: int = 0
-    checks: int = 0
-    finish_reasons: Counter[str] = field(default_factory=Counter)
-    aborts: Counter[str] = field(default_factory=Counter)
-    aborted_preempted: int = 0  # scheduler requests aborted while preempted: never resumed
-    lossless_checked: int = 0
-    lossless_preempted: int = 0
-    mismatches: list[str] = field(default_factory=list)
-
-    def anomaly(self, message: str) -> None:
-        if len(self.anomalies) < 1000:
-            self.anomalies.append(message)
-        else:
-            self.anomalies[-1] = f"... and more; last: {message}"
 
 
 def make_engine(args: argparse.Namespace, model: Path, **kwargs: Any) -> LLMEngine:
@@ -173,74 +140,16 @@ class ArSoak:
         self.live: dict[str, Tracked] = {}  # user request id -> request, until it ends
         self.ended = 0
         self.child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (request id, index)
-        # Reservoir samples of finished greedy requests (n=1), preempted or not, for the
-        # lossless check: (prompt, params, tokens, preemptions).
-        self.greedy_seen = [0, 0]
-        self.greedy_sample: list[list[tuple[list[int], SamplingParams, list[int], int]]] = [[], []]
-        self.sample_rng = random.Random(args.seed + 2)
+        # A sample of finished greedy requests (n=1), preempted or not, for the lossless check.
+        self.greedy_sample = LosslessSample(args.lossless_sample, random.Random(args.seed + 2))
         self.tap = StepTap(self.engine.runner, self._observe)
 
     # -- per step: the scheduled batch ---------------------------------------------------------
-    def _committed(self, child: str) -> list[int] | None:
-        rid, index = self.child_of[child]
-        tracked = self.live.get(rid)
-        if tracked is None:
-            return None
-        if tracked.output is None:
-            return list(tracked.prompt)
-        for c in tracked.output.outputs:
-            if c.index == index:
-                return tracked.prompt + c.token_ids
-        return list(tracked.prompt)
-
     def _observe(self, so: SchedulerOutput) -> None:
-        r, cfg = self.report, self.sched.config
-        bad = r.anomaly
-        total = sum(so.num_scheduled_tokens.values())
-        if total != so.total_num_scheduled_tokens or total > cfg.max_num_batched_tokens:
-            bad(f"step {r.steps}: {total} tokens scheduled, budget {cfg.max_num_batched_tokens}")
-        for rid, n in so.num_scheduled_tokens.items():
-            spec = so.scheduled_spec_decode_tokens.get(rid, [])
-            if n <= 0 or len(spec) >= n or len(spec) > self.k:
-                bad(f"step {r.steps}: {rid} scheduled {n} tokens with {len(spec)} drafts")
-            if any(t != PADDING_TOKEN_ID and not 0 <= t < VOCAB for t in spec):
-                bad(f"step {r.steps}: {rid} drafts out of vocabulary: {spec}")
-        cached = so.scheduled_cached_reqs
-        pairs = zip(cached.req_ids, cached.resumed_from_preemption, strict=True)
-        resumed = {rid for rid, again in pairs if again}
-        for rid in so.preempted_req_ids:
-            r.preemptions += 1
-            # Preempted by this step's scheduling: not scheduled. Preempted before the step
-            # (a prefix-cache reset of the running requests): it may resume at once.
-            if rid in so.num_scheduled_tokens and rid not in resumed:
-                bad(f"step {r.steps}: preempted {rid} is scheduled")
-            parent = self.child_of.get(rid)
-            if parent and parent[0] in self.live:
-                self.live[parent[0]].preemptions += 1
-        for i, rid in enumerate(cached.req_ids):
-            if not cached.resumed_from_preemption[i]:
-                continue
-            r.resumes += 1
-            want = self._committed(rid)
-            got = cached.resumed_token_ids.get(rid)
-            # The output processor may hold back nothing here: a stop string finishes the
-            # request, so a resumed request's committed tokens are all in its outputs.
-            if want is not None and got != want:
-                bad(f"step {r.steps}: {rid} resumed with {got}, committed {want}")
-            n = so.num_scheduled_tokens[rid]
-            if got is not None and cached.num_computed_tokens[i] + n > len(got) + self.k:
-                bad(f"step {r.steps}: resumed {rid} scheduled past its tokens")
-        r.steps += 1
-
-    # -- every K steps: scheduler and pool bookkeeping -----------------------------------------
-    def check_state(self) -> None:
-        r = self.report
-        r.checks += 1
-        for problem in state_problems(self.engine):
-            r.anomaly(f"step {r.steps}: {problem}")
-        if set(self.engine.output_processor.parents) != set(self.live):
-            extra = set(self.engine.output_processor.parents) ^ set(self.live)
-            r.anomaly(f"step {r.steps}: output processor and soak disagree on {extra}")
+        budget = self.sched.config.max_num_batched_tokens
+        check_batch(
+            so, self.report, budget=budget, k=self.k, live=self.live, child_of=self.child_of
+        )
 
     # -- admission, aborts, outputs ------------------------------------------------------------
     def add(self) -> None:
@@ -310,69 +219,10 @@ class ArSoak:
                 tracked.output.add(delta)
             if delta.finished:
                 self.end(rid)
-                self.check_finished(rid, tracked)
-                self.keep_for_lossless(tracked)
+                check_finished(rid, tracked, self.report, self.args.max_model_len)
+                self.greedy_sample.keep(tracked)
                 finished += 1
         return finished
-
-    def keep_for_lossless(self, t: Tracked) -> None:
-        """Reservoir sampling (size `--lossless-sample`) of finished greedy n=1 requests, one
-        reservoir for preempted requests and one for the others."""
-        if not t.params.is_greedy or t.params.n != 1 or t.output is None:
-            return
-        which = int(t.preemptions > 0)
-        self.greedy_seen[which] += 1
-        reservoir, size = self.greedy_sample[which], self.args.lossless_sample
-        item = (t.prompt, t.params, list(t.output.outputs[0].token_ids), t.preemptions)
-        if len(reservoir) < size:
-            reservoir.append(item)
-        else:
-            j = self.sample_rng.randrange(self.greedy_seen[which])
-            if j < size:
-                reservoir[j] = item
-
-    def check_finished(self, rid: str, t: Tracked) -> None:
-        r, p, out = self.report, t.params, t.output
-        assert out is not None
-        bad = r.anomaly
-        if len(out.outputs) != p.n:
-            bad(f"{rid}: {len(out.outputs)} completions, n={p.n}")
-        if p.prompt_logprobs is not None:
-            plp = out.prompt_logprobs
-            if plp is None or len(plp) != len(t.prompt) or plp[0] is not None:
-                bad(f"{rid}: prompt logprobs of {len(plp or [])} positions, {len(t.prompt)}")
-        room = self.args.max_model_len - len(t.prompt)
-        for c in out.outputs:
-            reason = c.finish_reason
-            r.finish_reasons[str(reason)] += 1
-            n = len(c.token_ids)
-            if reason not in ("stop", "length"):
-                bad(f"{rid}/{c.index}: finish reason {reason!r}")
-                continue
-            cap = min(p.max_tokens or room, room)
-            if n > cap or (reason == "length" and n != cap):
-                bad(f"{rid}/{c.index}: {n} tokens, {reason}, cap {cap}")
-            if reason == "stop" and isinstance(c.stop_reason, int | type(None)):
-                if n < p.min_tokens:
-                    bad(f"{rid}/{c.index}: stopped by a token after {n} < min_tokens")
-                if c.stop_reason is None and (p.ignore_eos or not c.token_ids[-1:] == [EOS]):
-                    bad(f"{rid}/{c.index}: EOS stop without an EOS")
-            if any(not 0 <= tok < VOCAB for tok in c.token_ids):
-                bad(f"{rid}/{c.index}: token out of vocabulary")
-            if p.allowed_token_ids and set(c.token_ids) - set(p.allowed_token_ids):
-                bad(f"{rid}/{c.index}: tokens outside allowed_token_ids")
-            if p.bad_words_token_ids:
-                banned = {w[0] for w in p.bad_words_token_ids if len(w) == 1}
-                if banned & set(c.token_ids):
-                    bad(f"{rid}/{c.index}: a bad word was generated")
-            if p.logprobs is not None:
-                lps = c.logprobs or []
-                ok = len(lps) == n and all(
-                    tok in lp and len(lp) <= p.logprobs + 1
-                    for tok, lp in zip(c.token_ids, lps, strict=False)
-                )
-                if not ok:
-                    bad(f"{rid}/{c.index}: {len(lps)} logprob entries for {n} tokens")
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> tuple[RssSampler, float]:
@@ -391,7 +241,7 @@ class ArSoak:
             self.take(engine.step())
             ended = self.ended
             if self.report.steps % args.check_every == 0:
-                self.check_state()
+                check_state(engine, self.report, self.live)
             if ended >= next_sample:
                 mem = rss.sample(ended)
                 next_sample += args.rss_every
@@ -405,45 +255,16 @@ class ArSoak:
         rss.sample(self.ended)
         return rss, wall
 
-    def end_checks(self) -> dict[str, int]:
-        """After the last request: nothing held anywhere, every block free."""
-        leaked, total, problems = end_problems(self.engine)
-        r = self.report
-        for problem in problems:
-            r.anomaly(problem)
-        if r.resumes + r.aborted_preempted != r.preemptions:  # every other one resumed
-            r.anomaly(
-                f"{r.preemptions} preemptions: {r.resumes} resumed, {r.aborted_preempted} aborted"
-            )
-        return {"leaked": leaked, "total": total}
-
     # -- losslessness --------------------------------------------------------------------------
     def lossless(self, model: Path) -> None:
-        r, args = self.report, self.args
-        half = args.lossless_sample // 2
-        preempted, others = self.greedy_sample[1], self.greedy_sample[0]
-        sample = preempted[:half]
-        sample += others[: args.lossless_sample - len(sample)]
         solo = make_engine(
-            args,
+            self.args,
             model,
             num_gpu_blocks_override=256,  # a big pool: never preempted
             max_num_seqs=1,
             enable_prefix_caching=False,
         )
-        for prompt, params, got, preemptions in sample:
-            rid = solo.add_request(None, {"prompt_token_ids": prompt}, params.clone())
-            tokens: list[int] = []
-            while solo.has_unfinished_requests():
-                for delta in solo.step():
-                    if delta.request_id == rid:
-                        tokens += delta.outputs[0].token_ids
-            r.lossless_checked += 1
-            r.lossless_preempted += preemptions > 0
-            if got != tokens:
-                r.mismatches.append(
-                    f"prompt {prompt} params {params}: speculative {got} != solo {tokens}"
-                )
+        self.greedy_sample.check(solo, self.report)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -490,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         soak = ArSoak(args, model, draft)
         rss, wall = soak.run()
-        end = soak.end_checks()
+        end = check_end(soak.engine, soak.report)
         t_lossless = time.perf_counter()
         soak.lossless(model)
         t_lossless = time.perf_counter() - t_lossless

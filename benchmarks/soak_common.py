@@ -5,6 +5,7 @@
 - `StepTap`: a pass-through observer of the scheduler outputs the runner executes;
 - `state_problems` / `end_problems`: the scheduler's and the KV pool's bookkeeping, checked
   between steps and once everything finished (leaked blocks);
+- `run_alone`: one request run by itself on a reference engine (the soaks' solo runs);
 - `RssSampler`: resident set size sampled after a `gc.collect()`, with warm-up/end/max/drift;
 - `print_table`: a plain-text summary table.
 
@@ -234,6 +235,19 @@ def end_problems(engine: Any) -> tuple[int, int, list[str]]:
     if int(metrics["impasto:num_preemptions"]) != sched.num_preemptions_total:
         problems.append("the preemption metric and the scheduler's counter disagree")
     return leaked, total, problems
+
+
+def run_alone(engine: Any, prompt: list[int], params: Any) -> list[int]:
+    """Run one request (a clone of `params`) on `engine` until nothing is unfinished; the
+    tokens of its first completion. The soaks' reference run: `engine` must hold no other
+    request, so the one given runs alone."""
+    rid = engine.add_request(None, {"prompt_token_ids": prompt}, params.clone())
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id == rid:
+                tokens += delta.outputs[0].token_ids
+    return tokens
 
 
 # -- memory ------------------------------------------------------------------------------------

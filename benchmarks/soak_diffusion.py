@@ -42,8 +42,6 @@ import random
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +57,16 @@ from soak_common import (  # noqa: E402
     end_problems,
     mib,
     print_table,
+    run_alone,
     state_problems,
+)
+from soak_diffusion_checks import (  # noqa: E402
+    VOCAB,
+    Report,
+    Tracked,
+    check_batch,
+    check_finished,
+    check_sampled,
 )
 
 from impasto.config import EngineArgs  # noqa: E402
@@ -69,39 +76,7 @@ from impasto.engine.engine import LLMEngine  # noqa: E402
 from impasto.outputs import RequestOutput  # noqa: E402
 from impasto.sampling_params import SamplingParams  # noqa: E402
 
-VOCAB = 64
-EOS = 1
 SHARED_PREFIX = [5] * 32
-
-
-@dataclass
-class Tracked:
-    prompt: list[int]
-    params: SamplingParams
-    tokens: list[int] = field(default_factory=list)  # committed outputs, from the deltas
-    finish_reason: str | None = None
-    preemptions: int = 0
-
-
-@dataclass
-class Report:
-    canvas_anomalies: list[str] = field(default_factory=list)  # per-step canvas-span checks
-    anomalies: list[str] = field(default_factory=list)  # everything else
-    mismatches: list[str] = field(default_factory=list)
-    steps: int = 0
-    canvas_steps: int = 0
-    one_token_resumes: int = 0
-    clipped_canvases: int = 0
-    preemptions: int = 0
-    resumes: int = 0
-    aborted: int = 0
-    aborted_preempted: int = 0  # aborted while preempted: a cycle that never resumes
-    finish_reasons: Counter[str] = field(default_factory=Counter)
-
-    def anomaly(self, message: str, canvas: bool = False) -> None:
-        found = self.canvas_anomalies if canvas else self.anomalies
-        if len(found) < 1000:
-            found.append(message)
 
 
 class DiffusionSoak:
@@ -165,82 +140,18 @@ class DiffusionSoak:
             kw["min_tokens"] = rng.randrange(0, min(kw["max_tokens"] or 40, 40) + 1)
         return prompt, SamplingParams(**kw)
 
-    def expected_len(self, t: Tracked) -> int:
-        limit = self.max_model_len - len(t.prompt)
-        return min(t.params.max_tokens or limit, limit)
-
     # -- per step: canvas spans ----------------------------------------------------------------
-    def _committed(self, rid: str) -> list[int] | None:
-        t = self.live.get(rid)
-        return None if t is None else t.prompt + t.tokens
-
     def _observe(self, so: SchedulerOutput) -> None:
-        r = self.report
-
-        def bad(message: str) -> None:
-            r.anomaly(message, canvas=True)
-
-        step = r.steps
-        r.steps += 1
-        spec = so.scheduled_spec_decode_tokens
-        for new in so.scheduled_new_reqs:
-            n = so.num_scheduled_tokens[new.req_id]
-            if new.req_id in spec:
-                bad(f"step {step}: new request {new.req_id} scheduled with a canvas")
-            if new.num_computed_tokens + n > len(new.prompt_token_ids):
-                bad(f"step {step}: new request {new.req_id} prefills past its prompt")
-        cached = so.scheduled_cached_reqs
-        resumed = set()
-        for i, rid in enumerate(cached.req_ids):
-            num_computed, n = cached.num_computed_tokens[i], so.num_scheduled_tokens[rid]
-            committed = self._committed(rid)
-            if committed is None:
-                bad(f"step {step}: {rid} scheduled, but it is not a live request")
-                continue
-            canvas = spec.get(rid)
-            if cached.resumed_from_preemption[i]:
-                resumed.add(rid)
-                r.resumes += 1
-                r.one_token_resumes += n == 1
-                got = cached.resumed_token_ids.get(rid)
-                if got != committed:
-                    bad(f"step {step}: {rid} resumed with {got}, committed {committed}")
-                if canvas is not None:
-                    bad(f"step {step}: resumed {rid} scheduled with a canvas")
-                if num_computed % 16 or num_computed >= len(committed):
-                    bad(f"step {step}: resumed {rid} hit {num_computed} of {len(committed)}")
-            if canvas is None:
-                if num_computed + n > len(committed):
-                    bad(f"step {step}: {rid} prefills {n} past its {len(committed)} tokens")
-                if num_computed >= len(committed):
-                    bad(f"step {step}: {rid} scheduled without its canvas")
-                continue
-            r.canvas_steps += 1
-            want = min(self.canvas, self.max_model_len - num_computed)
-            r.clipped_canvases += want < self.canvas
-            if not n == len(canvas) == want:
-                bad(f"step {step}: {rid} canvas of {len(canvas)}, {n} scheduled, expected {want}")
-            if any(not 0 <= tok < VOCAB for tok in canvas):
-                bad(f"step {step}: {rid} canvas holds non-vocabulary tokens (padding?)")
-            if num_computed != len(committed):
-                bad(f"step {step}: {rid} canvas at {num_computed}, {len(committed)} committed")
-        for rid in so.preempted_req_ids:
-            r.preemptions += 1
-            if rid in self.live:
-                self.live[rid].preemptions += 1
-            if rid in so.num_scheduled_tokens and rid not in resumed:
-                bad(f"step {step}: preempted {rid} is scheduled")
+        check_batch(
+            so,
+            self.report,
+            canvas_len=self.canvas,
+            max_model_len=self.max_model_len,
+            live=self.live,
+        )
 
     def _after(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """A canvas step reports nothing sampled (denoise) or the whole canvas (commit)."""
-        index = out.index_of()
-        for rid, canvas in so.scheduled_spec_decode_tokens.items():
-            i = index.get(rid)
-            sampled = out.sampled_token_ids[i] if i is not None else None
-            if sampled is None or len(sampled) not in (0, len(canvas)):
-                self.report.anomaly(
-                    f"{rid}: {sampled} sampled from a canvas of {len(canvas)}", True
-                )
+        check_sampled(so, out, self.report)
 
     # -- the run -------------------------------------------------------------------------------
     def take(self, outputs: list[RequestOutput]) -> None:
@@ -255,22 +166,8 @@ class DiffusionSoak:
                 t.finish_reason = c.finish_reason
                 self.live.pop(delta.request_id)
                 self.ended += 1
-                self.check_finished(delta.request_id, t)
+                check_finished(delta.request_id, t, self.report, self.max_model_len)
                 self.compare_with_solo(delta.request_id, t)
-
-    def check_finished(self, rid: str, t: Tracked) -> None:
-        r, p = self.report, t.params
-        r.finish_reasons[str(t.finish_reason)] += 1
-        want, n = self.expected_len(t), len(t.tokens)
-        if t.finish_reason == "length":
-            if n != want:
-                r.anomaly(f"{rid}: {n} tokens, length, expected {want}")
-        elif t.finish_reason == "stop":
-            stops = set(p.stop_token_ids or []) | (set() if p.ignore_eos else {EOS})
-            if not (n <= want and t.tokens and t.tokens[-1] in stops and n >= p.min_tokens):
-                r.anomaly(f"{rid}: stopped after {n} tokens ({t.tokens[-1:]}), cap {want}")
-        else:
-            r.anomaly(f"{rid}: finish reason {t.finish_reason!r}")
 
     def run(self) -> tuple[RssSampler, float]:
         args, engine, r = self.args, self.engine, self.report
@@ -316,13 +213,7 @@ class DiffusionSoak:
     def compare_with_solo(self, rid: str, t: Tracked) -> None:
         """Run the request again, alone, on the solo engine: the same tokens expected."""
         t0 = time.perf_counter()
-        solo = self.solo
-        sid = solo.add_request(None, {"prompt_token_ids": t.prompt}, t.params.clone())
-        tokens: list[int] = []
-        while solo.has_unfinished_requests():
-            for delta in solo.step():
-                if delta.request_id == sid:
-                    tokens += delta.outputs[0].token_ids
+        tokens = run_alone(self.solo, t.prompt, t.params)
         self.solo_checked += 1
         if tokens != t.tokens:
             self.report.mismatches.append(
