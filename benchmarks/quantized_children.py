@@ -107,14 +107,14 @@ def impasto_spec(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     res: dict[str, Any] = {"k": spec["k"]}
-    configs = {
-        "baseline": None,
-        "speculative": {
-            "method": "draft_model",
-            "model": spec["draft"],
-            "num_speculative_tokens": spec["k"],
-        },
+    speculative: dict[str, Any] = {
+        "method": "draft_model",
+        "model": spec["draft"],
+        "num_speculative_tokens": spec["k"],
     }
+    if spec.get("draft_vocab_size"):  # the draft scores ids below it only (lossless)
+        speculative["draft_vocab_size"] = spec["draft_vocab_size"]
+    configs = {"baseline": None, "speculative": speculative}
     for name in spec.get("configs", list(configs)):
         cfg = configs[name]
         llm = LLM(
