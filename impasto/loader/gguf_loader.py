@@ -1,6 +1,8 @@
 """Read GGUF checkpoints as Hugging Face configs and HF-named tensors.
 
 Invariants of what this module yields:
+- configs are those of transformers' per-architecture classes, built by gguf_config without
+  importing them (nothing here imports `transformers.models`);
 - names are HF parameter names (`model.layers.N.self_attn.q_proj.weight`, ...);
 - shapes are torch order (GGUF stores `ne`, innermost first, so shapes are reversed);
 - rows of llama q/k projections are back in HF layout (the converter interleaves them per head
@@ -32,25 +34,20 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import (
-    Gemma3TextConfig,
-    LlamaConfig,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import PretrainedConfig
 
+from impasto.loader.gguf_config import build_config
 from impasto.loader.gguf_file import GGUFFile
 from impasto.models.layers.quantized import PACKABLE_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-_CONFIG_CLASSES: dict[str, tuple[type[PretrainedConfig], str]] = {
-    "llama": (LlamaConfig, "LlamaForCausalLM"),
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
-    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter interleaves q/k rows (rotary pairs (i, i + d/2) -> (2i, 2i + 1)).
 _PERMUTED_QK = frozenset({"llama"})
@@ -226,8 +223,9 @@ def _gemma3_kwargs(reader: GGUFFile, kwargs: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
-    """Build the transformers config matching a llama / qwen2 / qwen3 / gemma3 GGUF file."""
+def gguf_to_hf_config_kwargs(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """(architecture, the keyword arguments of its transformers config) of a llama / qwen2 /
+    qwen3 / gemma3 GGUF file."""
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
     meta = lambda key, default=None: gguf_metadata(reader, f"{arch}.{key}", default)
@@ -239,9 +237,8 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
     vocab = int(embed.shape[1]) if embed is not None else meta("vocab_size")
     if vocab is None:
         vocab = len(gguf_metadata(reader, "tokenizer.ggml.tokens", []))
-    cls, hf_arch = _CONFIG_CLASSES[arch]
     kwargs: dict[str, Any] = dict(
-        architectures=[hf_arch],
+        architectures=[_HF_ARCHITECTURES[arch]],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -263,7 +260,14 @@ def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
         kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in names
     if arch == "gemma3":
         kwargs = _gemma3_kwargs(reader, kwargs)
-    return cls(**kwargs)
+    return arch, kwargs
+
+
+def gguf_to_hf_config(path: str | os.PathLike[str]) -> PretrainedConfig:
+    """The transformers config of a llama / qwen2 / qwen3 / gemma3 GGUF file: the one the
+    architecture's transformers class builds, without importing that class (gguf_config)."""
+    arch, kwargs = gguf_to_hf_config_kwargs(path)
+    return build_config(arch, **kwargs)
 
 
 @dataclass(frozen=True)
