@@ -1,4 +1,8 @@
-"""Load an HF checkpoint folder (config.json + *.safetensors) into an impasto model."""
+"""Load an HF checkpoint folder (config.json + *.safetensors) into an impasto model.
+
+Importing this module is cheap (the GGUF path imports `default_dtype`): transformers'
+`AutoConfig`, which imports `transformers.models`, is imported by `read_hf_config` only.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from impasto.config.block_diffusion import MODEL_TYPES
 from impasto.models.registry import get_model_class
@@ -21,6 +25,8 @@ def read_hf_config(folder: str | Path) -> PretrainedConfig:
     upstream code is custom (SDAR, Fast-dLLM v2, dllm's A2D) are read as the config of their
     body (Qwen3 / Qwen2 / Llama), their own keys (block size, mask id) kept as attributes:
     no remote code is ever run."""
+    from transformers import AutoConfig  # imports transformers.models: HF folders only
+
     folder = Path(folder)
     data = json.loads((folder / "config.json").read_text())
     body = MODEL_TYPES.get(str(data.get("model_type", "")).lower())

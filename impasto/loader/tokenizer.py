@@ -2,7 +2,9 @@
 
 GGUF byte-level BPE vocabularies (the `gpt2` tokenizer model with a known pre-tokenizer) are
 rebuilt directly as a `tokenizers.Tokenizer`; other GGUF tokenizers go through transformers'
-own GGUF conversion. Everything is local: nothing is fetched from a model hub.
+own GGUF conversion. Everything is local: nothing is fetched from a model hub. Only those
+(and HF folders) import `AutoTokenizer`, and with it `transformers.models`: a byte-level BPE
+GGUF file's tokenizer is built without it.
 
 Stop tokens are the EOS, end-of-turn and end-of-message ids; a GGUF file whose metadata names
 no end-of-turn id still stops on the tokens llama.cpp recognises as such by their text
@@ -19,7 +21,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from impasto.loader.gguf_file import GGUFFile
 from impasto.loader.gguf_loader import gguf_metadata, open_gguf
@@ -116,6 +118,8 @@ def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     elif kind == "gpt2" and pre_type in _PRE_TYPES:
         backend = _byte_level_bpe(reader, tokens, pre_type)
     else:  # other vocabularies (SentencePiece, unknown splits): transformers' converter
+        from transformers import AutoTokenizer  # imports transformers.models: only when needed
+
         return AutoTokenizer.from_pretrained(
             path.parent, gguf_file=path.name, local_files_only=True
         )
@@ -135,6 +139,8 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> PreTrainedTokenizerBas
     if is_gguf_file(path):
         return _gguf_tokenizer(path)
     if path.is_dir():
+        from transformers import AutoTokenizer  # imports transformers.models: only when needed
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     raise FileNotFoundError(f"no tokenizer at {str(path)!r}: expected a GGUF file or model folder")
 
