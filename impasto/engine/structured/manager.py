@@ -25,7 +25,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+import torch
 
 from impasto.core import Request
 from impasto.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -34,6 +34,21 @@ from impasto.errors import InvalidParameterError
 from impasto.worker.token_masks import TokenMasks
 
 logger = logging.getLogger("impasto")
+
+
+# llguidance.torch's two helpers, here because importing that module runs a torch.compile
+# decorator (torch._dynamo, sympy, torch.distributed: ~115 MiB and seconds in every engine).
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32 on the CPU, every token allowed (all bits set)."""
+    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def fill_bitmask_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Write the matcher's allowed tokens into `bitmask[row]` (a contiguous CPU int32 row)."""
+    assert bitmask.dtype == torch.int32 and bitmask.is_cpu and bitmask.dim() == 2
+    words = bitmask[row, :]
+    assert words.is_contiguous()
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
 class StructuredOutputManager:
@@ -100,19 +115,19 @@ class StructuredOutputManager:
 
     def _fill(self, entries: list[tuple[str, list[int]]]) -> TokenMasks:
         num_rows = sum(1 + len(drafts) for _, drafts in entries)
-        bitmask = allocate_token_bitmask(num_rows, self.compiler.vocab_size)  # all allowed
+        bitmask = allocate_bitmask(num_rows, self.compiler.vocab_size)  # all allowed
         first_row: dict[str, int] = {}
         row = 0
         for rid, drafts in entries:
             matcher = self._matchers[rid]
             first_row[rid] = row
-            fill_next_token_bitmask(matcher, bitmask, row)
+            fill_bitmask_row(matcher, bitmask, row)
             consumed = 0
             for token in drafts:
                 if token < 0 or matcher.try_consume_tokens([token]) != 1:
                     break  # padding, or a draft the grammar refuses: rejected in any case
                 consumed += 1
-                fill_next_token_bitmask(matcher, bitmask, row + consumed)
+                fill_bitmask_row(matcher, bitmask, row + consumed)
             if consumed:
                 matcher.rollback(consumed)
             row += 1 + len(drafts)
