@@ -2,13 +2,20 @@
 
 They must equal what the architecture's transformers class builds from the same keyword
 arguments, on every attribute of its `to_dict()` and every instance attribute (tiny files of
-each architecture, hand-picked arguments, and the packaged real files when cached).
+each architecture, hand-picked arguments, and the packaged real files when cached); and the
+GGUF path, from `from impasto import LLM` to a generated token, must import none of
+`transformers.models`, sympy, accelerate or `torch.distributed.tensor` (a fresh interpreter
+checks `sys.modules`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 from gguf_testutil import write_gguf
+from tokenizers import pre_tokenizers
 from transformers import (
+    AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     PretrainedConfig,
@@ -35,6 +44,8 @@ CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "gemma3": Gemma3TextConfig,
 }
+HEAVY = ("transformers.models", "sympy", "accelerate", "torch.distributed.tensor")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def assert_same_config(ours: PretrainedConfig, ref: PretrainedConfig) -> None:
@@ -209,3 +220,56 @@ def test_real_gguf_config_equals_the_class(name: str) -> None:
         pytest.skip(f"{path} is not cached")
     arch, kwargs = gguf_to_hf_config_kwargs(path)
     assert_same_config(gguf_to_hf_config(path), CLASSES[arch](**kwargs))
+
+
+# Run in a fresh interpreter: the import, a config of every architecture, and a tiny engine
+# end to end (its byte-level BPE tokenizer, model, KV cache, one greedy generation).
+_CHILD = """
+import json, sys
+from impasto import LLM, SamplingParams
+from impasto.loader.gguf_loader import gguf_to_hf_config
+
+def loaded():
+    return [h for h in {heavy!r} if any(m == h or m.startswith(h + ".") for m in sys.modules)]
+
+after_import = loaded()
+for path in {configs!r}:
+    gguf_to_hf_config(path)
+llm = LLM({engine!r}, max_model_len=64, kv_cache_memory_bytes=1 << 20)
+params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+out = llm.generate(["ab"], params, use_tqdm=False)
+n = len(out[0].outputs[0].token_ids)
+print(json.dumps(dict(import_=after_import, heavy=loaded(), n=n)))
+"""
+
+
+def run_child(script: str) -> dict[str, Any]:
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)  # this checkout's impasto, not an installed one
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gguf_path_imports_no_model_classes(tmp_path: Path) -> None:
+    configs = [str(write_case(tmp_path / f"{c}.gguf", c)) for c in ("llama", "qwen2", "qwen3")]
+    configs.append(str(write_case(tmp_path / "gemma3.gguf", "gemma3")))
+    config = tiny(LlamaConfig, vocab_size=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = dict(
+        tokenizer_model="gpt2",
+        tokenizer_pre="gpt-2",
+        token_list=tokens,
+        token_types=[1] * len(tokens),
+        token_merges=[],
+    )
+    engine = tmp_path / "engine.gguf"
+    write_gguf(engine, "llama", config, state, extra_kv=tokenizer)
+    got = run_child(_CHILD.format(heavy=HEAVY, configs=configs, engine=str(engine)))
+    assert got["import_"] == [] and got["heavy"] == []
+    assert got["n"] == 2
