@@ -6,7 +6,9 @@ out of range and anything over a cap of `impasto.limits` (integers within 64 bit
 sizes, string lengths, text that is not valid Unicode). Error messages echo at most
 `MAX_ECHO_CHARS` of a bad value. Checks that need the model
 (token ids within the vocabulary, words to token ids) are `verify_for_model` and
-`update_from_tokenizer`, run once by the admission path (`engine/processor.py`).
+`update_from_tokenizer`, run once by the admission path (`engine/processor.py`). The checks
+that are not about one field (what an error may echo, Unicode validity, logit-bias keys,
+structured-output parameters) live in `param_checks`, shared with the admission path.
 
 It is a msgspec `Struct`: it crosses the API / engine process boundary as it is, typed, once.
 Adding a sampling parameter means a field and its check here and its effect in the sampler:
@@ -17,7 +19,6 @@ that cannot honour a parameter refuse any non-default value of it (`non_default_
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from enum import IntEnum
 from typing import Any, cast
@@ -26,89 +27,17 @@ import msgspec
 
 from impasto import limits
 from impasto.errors import InvalidParameterError
+from impasto.param_checks import (
+    bad_param,
+    holds_invalid_text,
+    is_valid_text,
+    normalize_logit_bias,
+    show,
+    structured_outputs_param,
+)
 from impasto.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
-
-
-def _bad(param: str, msg: str) -> InvalidParameterError:
-    return InvalidParameterError(param, f"{param} {msg}")
-
-
-def show(value: object) -> str:
-    """`repr(value)` cut to `limits.MAX_ECHO_CHARS`: what an error message may echo."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too large to print
-        return f"<{type(value).__name__} too large to show>"
-    cap = limits.MAX_ECHO_CHARS
-    return text if len(text) <= cap else text[:cap] + "..."
-
-
-def is_valid_text(text: str) -> bool:
-    """Whether `text` is valid Unicode: no lone surrogate (which JSON's "\\ud800" escape can
-    smuggle in, and which no tokenizer or UTF-8 encoder accepts)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def holds_invalid_text(value: object) -> bool:
-    """Whether a JSON-shaped value (strings, lists, dicts) holds a string that is not valid
-    Unicode anywhere in it; objects of other types are skipped."""
-    if isinstance(value, str):
-        return not is_valid_text(value)
-    if isinstance(value, (list, tuple, dict)):
-        text = json.dumps(value, ensure_ascii=False, default=lambda _: None)
-        return not is_valid_text(text)
-    return False
-
-
-_MAX_KEY_CHARS = 24  # a token id as a JSON key: 64-bit ids have at most 20 digits
-
-
-def _normalize_logit_bias(bias: object) -> dict[int | str, float] | None:
-    """OpenAI clients send JSON, whose keys are strings: accept "123" as token id 123."""
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise _bad("logit_bias", f"must be a dict of token id -> bias, got {show(bias)}.")
-    if len(bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
-        raise _bad(
-            "logit_bias",
-            f"may have at most {limits.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}.",
-        )
-    out: dict[int | str, float] = {}  # int keys only, typed as the field is
-    for key, value in bias.items():
-        if isinstance(key, bool):
-            key = None
-        elif isinstance(key, str):
-            digits = key.strip().removeprefix("-")
-            ok = digits.isascii() and digits.isdigit() and len(digits) <= _MAX_KEY_CHARS
-            key = int(key) if ok else None
-        if not isinstance(key, int):
-            raise _bad(
-                "logit_bias", "contains key(s) that cannot be converted to integer token IDs."
-            )
-        out[key] = value
-    return out
-
-
-def _structured_outputs(value: object) -> StructuredOutputsParams | None:
-    """A `StructuredOutputsParams`, or its fields as a dict (converted, with its checks)."""
-    if value is None or isinstance(value, StructuredOutputsParams):
-        return value
-    if isinstance(value, dict):
-        try:
-            return msgspec.convert(value, StructuredOutputsParams, strict=True)
-        except msgspec.ValidationError as e:
-            cause = e.__cause__ or e.__context__
-            if isinstance(cause, InvalidParameterError):
-                raise cause from None
-            raise _bad("structured_outputs", f"is invalid: {e}") from None
-    raise _bad("structured_outputs", f"must be a StructuredOutputsParams, got {show(value)}.")
 
 
 class SamplingType(IntEnum):
@@ -165,16 +94,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise _bad("stop", f"must be a string or a list of strings, got {self.stop!r}.")
+            raise bad_param("stop", f"must be a string or a list of strings, got {self.stop!r}.")
         if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
-            raise _bad(
+            raise bad_param(
                 "stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}."
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = _normalize_logit_bias(self.logit_bias)
-        self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = normalize_logit_bias(self.logit_bias)
+        self.structured_outputs = structured_outputs_param(self.structured_outputs)
         self._validate()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the other random-sampling knobs have no effect; normalise them so
@@ -186,7 +115,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     # -- validation ---------------------------------------------------------------------------
     def _validate(self) -> None:
-        bad = _bad
+        bad = bad_param
 
         def check_num(name: str, value: object, kind: type) -> None:
             ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
@@ -361,7 +290,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.all_stop_token_ids = set(self.stop_token_ids or []) | set(extra_stop_ids)
         if self.bad_words:
             if tokenizer is None:
-                raise _bad("bad_words", "needs a tokenizer (skip_tokenizer_init is set).")
+                raise bad_param("bad_words", "needs a tokenizer (skip_tokenizer_init is set).")
             self.bad_words_token_ids = _tokenize_bad_words(tokenizer, self.bad_words)
 
     def clone(self) -> SamplingParams:
@@ -379,10 +308,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         type is an `InvalidParameterError` naming its field, like any other bad value."""
         unknown = sorted(set(values) - set(cls.user_fields()))
         if unknown:
-            raise _bad(unknown[0], "is not a sampling parameter.")
+            raise bad_param(unknown[0], "is not a sampling parameter.")
         for name, value in values.items():
             if holds_invalid_text(value):  # msgspec cannot even report such a value
-                raise _bad(name, "must be valid Unicode text (it holds a lone surrogate).")
+                raise bad_param(name, "must be valid Unicode text (it holds a lone surrogate).")
         try:
             return msgspec.convert(dict(values), cls, strict=True)
         except msgspec.ValidationError as e:
@@ -404,13 +333,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Checks that need the model: every token id a parameter names is in the vocabulary."""
         bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
         if bad:
-            raise _bad("stop_token_ids", f"contains token id(s) {show(bad)} out of vocabulary.")
+            raise bad_param(
+                "stop_token_ids", f"contains token id(s) {show(bad)} out of vocabulary."
+            )
         for key in self.logit_bias_ids or {}:
             if key >= vocab_size:
-                raise _bad("logit_bias", f"token id {show(key)} is out of vocabulary.")
+                raise bad_param("logit_bias", f"token id {show(key)} is out of vocabulary.")
         bad = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
         if bad:
-            raise _bad("allowed_token_ids", f"contains token id(s) {show(bad)} out of vocabulary.")
+            raise bad_param(
+                "allowed_token_ids", f"contains token id(s) {show(bad)} out of vocabulary."
+            )
 
 
 def _tokenize_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:

@@ -28,7 +28,8 @@ from impasto.config.block_diffusion import BlockDiffusionConfig
 from impasto.config.model import ModelConfig
 from impasto.engine.structured import grammar
 from impasto.errors import InvalidParameterError
-from impasto.sampling_params import SamplingParams, is_valid_text, show
+from impasto.param_checks import is_valid_text, show
+from impasto.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from impasto import limits
-from impasto.sampling_params import holds_invalid_text
+from impasto.param_checks import holds_invalid_text
 
 
 class OpenAIBase(BaseModel):

@@ -31,7 +31,8 @@ from impasto.entrypoints.openai.reasoning_parsers import ReasoningParser
 from impasto.entrypoints.openai.structured import structured_outputs_of
 from impasto.entrypoints.openai.tool_parsers import ToolParser
 from impasto.errors import InvalidParameterError
-from impasto.sampling_params import SamplingParams, show
+from impasto.param_checks import show
+from impasto.sampling_params import SamplingParams
 
 logger = logging.getLogger("impasto")
 
