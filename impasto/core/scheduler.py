@@ -10,7 +10,8 @@ hands out a token budget in named phases:
 2. `_schedule_waiting`: waiting requests admitted head-of-line (`_admit`), with prefix-cache
    hits and uniform spec-decode padding (`_should_pad`) — skipped when the step preempted;
 3. `_make_output`, then the optimistic advance of `num_computed_tokens` (drafts and canvas
-   included); `update_from_output()` rolls back what was rejected and appends what was committed.
+   included); `update_from_output()` rolls back what was rejected and appends what was committed
+   (`impasto/core/commit.py`), then takes what stopped out of `running` and frees it.
 
 `num_sampled_tokens_per_step` (1 AR, 0 diffusion) is read in the `max_model_len` clamp, the
 uniform-padding gate and the acceptance arithmetic — and once more to keep a diffusion canvas
@@ -48,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from impasto.config.scheduler import SchedulerConfig
+from impasto.core.commit import commit_step
 from impasto.core.kv_cache_manager import KVCacheManager
 from impasto.core.outputs import (
     CachedRequestData,
@@ -61,7 +63,6 @@ from impasto.core.request import Request, RequestStatus
 from impasto.core.request_queue import make_queue
 from impasto.core.schedule_step import ScheduleStep
 from impasto.core.spec_stats import SpecStats
-from impasto.core.stop import check_stop
 from impasto.errors import InvalidParameterError, QueueFullError
 
 PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
@@ -421,8 +422,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Commit what a step produced: roll back rejected drafts / canvases, append accepted
-        tokens through the stop check, take the next drafts, finish what stopped or failed.
+        """Commit what a step produced (`commit.commit_step`): roll back rejected drafts /
+        canvases, append accepted tokens through the stop check, take the next drafts; then
+        finish what stopped or failed: out of `running`, its blocks freed.
 
         Rule for requests no longer running when the step's results arrive (aborted, or
         preempted between `schedule()` and here, e.g. by `reset_prefix_cache`): their results
@@ -430,66 +432,15 @@ class Scheduler:
         samples that position again after it resumes; nothing is committed twice or without
         its KV.
         """
-        s = self.num_sampled_tokens_per_step
-        index = runner_output.index_of()
-        outputs: list[EngineCoreOutput] = []
-        stopped: list[Request] = []
-        for rid in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            error = runner_output.failed_req_ids.get(rid)
-            idx = index.get(rid)
-            if error is None and idx is None:
-                error = "the model runner returned no output for this request"
-            if error is not None or idx is None:
-                request.status = RequestStatus.FINISHED_ERROR
-                stopped.append(request)
-                outputs.append(EngineCoreOutput(rid, [], True, "error", error=error))
-                continue
-            generated = runner_output.sampled_token_ids[idx]
-            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(rid)
-            if scheduled_spec and (generated or s == 0):
-                # AR: the last sampled token is the bonus/correction; diffusion samples none.
-                num_accepted = max(len(generated) - s, 0)
-                num_rejected = len(scheduled_spec) - num_accepted
-                if num_rejected > 0:
-                    request.num_computed_tokens -= num_rejected
-                if not self.block:  # a block's canvas is no draft list
-                    self.spec_stats.observe(len(scheduled_spec), num_accepted)
-
-            new_tokens: list[int] = []
-            for token in generated:
-                request.append_output_token_ids(token)
-                new_tokens.append(token)
-                if check_stop(request, self.max_model_len):
-                    break  # tokens accepted past a stop are dropped
-            if self.block:  # block-causal: KV is final up to the last committed token's block
-                n = request.num_tokens
-                request.num_computed_tokens = min(request.num_computed_tokens, n - n % self.block)
-            finished = request.is_finished
-            if finished:
-                stopped.append(request)
-            elif runner_output.spec_token_ids is not None and not request.is_prefill_chunk:
-                request.spec_token_ids = list(runner_output.spec_token_ids[idx])
-            if new_tokens or finished:
-                logprobs = runner_output.logprobs.get(rid)
-                outputs.append(
-                    EngineCoreOutput(
-                        rid,
-                        new_tokens,
-                        finished,
-                        request.get_finished_reason(),
-                        request.stop_reason,
-                        new_logprobs=logprobs[: len(new_tokens)] if logprobs else None,
-                        prompt_logprobs=runner_output.prompt_logprobs.get(rid),
-                        num_cached_tokens=request.num_cached_prompt_tokens,
-                    )
-                )
-            elif rid in runner_output.prompt_logprobs:
-                outputs.append(
-                    EngineCoreOutput(rid, [], prompt_logprobs=runner_output.prompt_logprobs[rid])
-                )
+        outputs, stopped = commit_step(
+            self.requests,
+            scheduler_output,
+            runner_output,
+            max_model_len=self.max_model_len,
+            num_sampled_tokens_per_step=self.num_sampled_tokens_per_step,
+            masked_block_size=self.block,
+            spec_stats=self.spec_stats,
+        )
         if stopped:
             stopped_ids = {r.request_id for r in stopped}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
