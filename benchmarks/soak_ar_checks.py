@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from soak_ar_workload import EOS, VOCAB
 from soak_common import end_problems, run_alone, state_problems
 
+from impasto.core.admission import PADDING_TOKEN_ID
 from impasto.core.outputs import SchedulerOutput
-from impasto.core.scheduler import PADDING_TOKEN_ID
 from impasto.engine.engine import LLMEngine
 from impasto.outputs import RequestOutput
 from impasto.sampling_params import SamplingParams

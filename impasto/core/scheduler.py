@@ -7,8 +7,9 @@ hands out a token budget in named phases:
 1. `_schedule_running`: running requests in admission order, each getting what it needs
    (`_num_running_tokens`: long-prefill cap, `max_model_len` clamp, whole canvas or nothing),
    its blocks from `_allocate_or_preempt`, which preempts victims until they fit;
-2. `_schedule_waiting`: waiting requests admitted head-of-line (`_admit`), with prefix-cache
-   hits and uniform spec-decode padding (`_should_pad`) — skipped when the step preempted;
+2. `schedule_waiting` (`impasto/core/admission.py`, home of the arrival checks too): waiting
+   requests admitted head-of-line, with prefix-cache hits and uniform spec-decode padding —
+   skipped when the step preempted;
 3. `_make_output`, then the optimistic advance of `num_computed_tokens` (drafts and canvas
    included); `update_from_output()` rolls back what was rejected and appends what was committed
    (`impasto/core/commit.py`), then takes what stopped out of `running` and frees it.
@@ -49,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from impasto.config.scheduler import SchedulerConfig
+from impasto.core.admission import check_new_request, check_waiting_room, schedule_waiting
 from impasto.core.commit import commit_step
 from impasto.core.kv_cache_manager import KVCacheManager
 from impasto.core.outputs import (
@@ -63,9 +65,6 @@ from impasto.core.request import Request, RequestStatus
 from impasto.core.request_queue import make_queue
 from impasto.core.schedule_step import ScheduleStep
 from impasto.core.spec_stats import SpecStats
-from impasto.errors import InvalidParameterError, QueueFullError
-
-PADDING_TOKEN_ID = -1  # placeholder draft: clamped by the runner, never accepted
 
 
 class Scheduler:
@@ -96,16 +95,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Refused (nothing changes) when its id is in use or its prompt
         leaves no room to generate: the core never takes a request it cannot run."""
-        if request.request_id in self.requests:
-            raise InvalidParameterError(
-                "request_id", f"request id {request.request_id!r} is already in use"
-            )
-        if request.num_tokens >= self.max_model_len:
-            raise InvalidParameterError(
-                "prompt",
-                f"the prompt has {request.num_tokens} tokens; max_model_len is "
-                f"{self.max_model_len}, which leaves no room to generate.",
-            )
+        check_new_request(request, self.requests, self.max_model_len)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -114,12 +104,7 @@ class Scheduler:
         """Raise `QueueFullError` if `num_requests` new requests would push the requests
         waiting for a seat past `max_waiting_requests`. A free seat in the running batch
         (below `max_num_seqs`) is not a wait: a burst on an idle engine is not refused."""
-        limit = self.config.max_waiting_requests
-        if limit is None:
-            return
-        free_seats = max(self.config.max_num_seqs - len(self.running), 0)
-        if len(self.waiting) + num_requests - free_seats > limit:
-            raise QueueFullError(num_requests, len(self.waiting), limit)
+        check_waiting_room(self.config, len(self.running), len(self.waiting), num_requests)
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
@@ -164,7 +149,14 @@ class Scheduler:
         if not step.preempted:
             # KV memory is short (the victims sit at the head of the queue): admitting anyone
             # now would only thrash, so a step that preempted admits nobody.
-            self._schedule_waiting(step)
+            schedule_waiting(
+                cfg,
+                self.kv_cache_manager,
+                self.waiting,
+                self.running,
+                step,
+                self._block_tokens if self.block else None,
+            )
 
         # The O(1) invariants of the module docstring (the per-request ones are checked by the
         # property tests: a pass over the batch here would cost every step).
@@ -274,92 +266,6 @@ class Scheduler:
             step.preempted.append(victim)
             if victim is request:
                 return None
-
-    def _schedule_waiting(self, step: ScheduleStep) -> None:
-        """Admit waiting requests head-of-line: the first that cannot start stops admission."""
-        cfg = self.config
-        kv = self.kv_cache_manager
-        while len(self.waiting) and step.token_budget > 0 and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting.peek()
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
-            n = request.num_tokens - num_hit
-            masks = 0
-            pad = not self.block and self._should_pad(
-                n, num_hit, step.token_budget, step.scheduled_running, step.prefill_scheduled
-            )
-            if self.block:
-                n, masks = self._block_tokens(request, num_hit, step.token_budget)
-                if n <= 0:
-                    break
-            elif pad:
-                n = 1 + self.num_spec_tokens
-            elif 0 < cfg.long_prefill_token_threshold < n:
-                n = cfg.long_prefill_token_threshold
-            if not cfg.enable_chunked_prefill and n > step.token_budget:
-                break  # without chunked prefill a prompt runs whole or waits
-            n = min(n, step.token_budget)
-            block_ids = kv.allocate_slots(
-                request,
-                n,
-                num_new_computed_tokens=num_hit,
-                new_computed_blocks=hit_blocks,
-                num_lookahead_tokens=cfg.num_lookahead_tokens,
-                full_sequence_must_fit=cfg.reserve_full_sequence,
-            )
-            if block_ids is None:
-                break
-            self._admit(request, num_hit, n, block_ids, pad, step)
-            if masks:  # a masked block starts in this very step
-                step.spec_tokens[request.request_id] = [self.config.mask_token_id] * masks
-
-    def _admit(
-        self,
-        request: Request,
-        num_hit: int,
-        n: int,
-        block_ids: list[int],
-        pad: bool,
-        step: ScheduleStep,
-    ) -> None:
-        """Move the head of the waiting queue to running, its prefix-cache hit computed."""
-        admitted = self.waiting.pop()
-        assert admitted is request
-        self.kv_cache_manager.record_prefix_query(request.num_tokens, num_hit)
-        if request.status == RequestStatus.PREEMPTED:
-            step.resumed_reqs.append(request)
-        else:
-            request.num_cached_prompt_tokens = num_hit
-            step.new_reqs.append(request)
-        self.running.append(request)
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
-        step.take(request, n, block_ids)
-        if pad:
-            step.spec_tokens[request.request_id] = [PADDING_TOKEN_ID] * self.num_spec_tokens
-
-    def _should_pad(
-        self,
-        n: int,
-        num_computed: int,
-        token_budget: int,
-        scheduled_running: list[Request],
-        prefill_scheduled: bool,
-    ) -> bool:
-        """Uniform spec-decode padding gate (waiting path). A diffusion request is never padded:
-        its spec tokens are the canvas, and 1 + canvas_length overflows it."""
-        padded = 1 + self.num_spec_tokens
-        return (
-            self.config.uniform_spec_decode_padding
-            and self.num_spec_tokens > 0
-            and self.num_sampled_tokens_per_step > 0
-            and n == 1
-            and bool(scheduled_running)
-            and not prefill_scheduled
-            # Near max_model_len, or on a tight budget, schedule it unpadded instead.
-            and num_computed + padded + self.num_sampled_tokens_per_step <= self.max_model_len
-            and padded <= token_budget
-            and not (0 < self.config.long_prefill_token_threshold < padded)
-        )
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from impasto.core import Request, RequestStatus
+from impasto.core.admission import PADDING_TOKEN_ID
 from impasto.core.outputs import SchedulerOutput
-from impasto.core.scheduler import PADDING_TOKEN_ID
 from impasto.sampling_params import SamplingParams
 from impasto.testing import EOS_TOKEN_ID, make_scheduler
 
