@@ -14,8 +14,45 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig
 
 QK_K = 256
+
+
+def tiny_config(
+    cls: type[PretrainedConfig] = LlamaConfig,
+    *,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    head_dim: int = 64,
+    **overrides: Any,
+) -> PretrainedConfig:
+    """A tiny config of `cls` to write GGUF files from: 2 layers, 4 query and 2 KV heads, a
+    64-token vocabulary, 128 positions, default rope. Gemma 3 gets 8 layers, a 16-token
+    sliding window and its two ropes (global and local layers). `overrides` (any field) win."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    if cls is Gemma3TextConfig:
+        kwargs.update(
+            num_hidden_layers=8,
+            sliding_window=16,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
+    kwargs.update(overrides)
+    return cls(**kwargs)
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

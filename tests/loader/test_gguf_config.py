@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_testutil import write_gguf
+from gguf_testutil import tiny_config, write_gguf
 from tokenizers import pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -44,6 +44,8 @@ CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "gemma3": Gemma3TextConfig,
 }
+# This file's tiny configs: narrower than tiny_config's defaults.
+SMALL: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 HEAVY = ("transformers.models", "sympy", "accelerate", "torch.distributed.tensor")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,32 +63,6 @@ def assert_same_config(ours: PretrainedConfig, ref: PretrainedConfig) -> None:
     assert type(ours).__name__ == f"{type(ref).__name__.removesuffix('Config')}GGUFConfig"
 
 
-def tiny(cls: type[PretrainedConfig], **overrides: Any) -> PretrainedConfig:
-    kwargs: dict[str, Any] = dict(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    if cls is Gemma3TextConfig:
-        kwargs.update(
-            num_hidden_layers=8,
-            sliding_window=16,
-            rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        )
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
 def llama3_divisors(head_dim: int) -> np.ndarray:
     """The `rope_freqs` tensor the converter writes for a llama3-scaled rope."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -99,8 +75,11 @@ def llama3_divisors(head_dim: int) -> np.ndarray:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    config = tiny(
-        LlamaConfig, head_dim=head_dim, rope_parameters=rope, max_position_embeddings=131072
+    config = tiny_config(
+        LlamaConfig,
+        **(SMALL | dict(head_dim=head_dim)),
+        rope_parameters=rope,
+        max_position_embeddings=131072,
     )
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     plain = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -145,7 +124,7 @@ FILES: dict[str, tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]]] = {
 
 def write_case(path: Path, case: str) -> Path:
     arch, overrides, kv, tensors = FILES[case]
-    config = tiny(CLASSES[arch])
+    config = tiny_config(CLASSES[arch], **SMALL)
     for key, value in overrides.items():  # after the class's own checks (sliding_window 0)
         setattr(config, key, value)
     write_gguf(path, arch, config, {}, extra_kv=kv, extra_tensors=tensors)
@@ -257,7 +236,7 @@ def run_child(script: str) -> dict[str, Any]:
 def test_gguf_path_imports_no_model_classes(tmp_path: Path) -> None:
     configs = [str(write_case(tmp_path / f"{c}.gguf", c)) for c in ("llama", "qwen2", "qwen3")]
     configs.append(str(write_case(tmp_path / "gemma3.gguf", "gemma3")))
-    config = tiny(LlamaConfig, vocab_size=256, tie_word_embeddings=True)
+    config = tiny_config(LlamaConfig, **SMALL, vocab_size=256, tie_word_embeddings=True)
     torch.manual_seed(0)
     state = AutoModelForCausalLM.from_config(config).state_dict()
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet())

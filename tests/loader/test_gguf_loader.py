@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_testutil import permute_qk_like_converter, write_gguf
+from gguf_testutil import permute_qk_like_converter, tiny_config, write_gguf
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -39,24 +39,6 @@ TOLERANCE = {
     Q.Q4_K: 0.1,
     Q.Q6_K: 0.03,
 }
-
-
-def tiny_config(cls: type = LlamaConfig, **overrides: object) -> LlamaConfig:
-    kwargs: dict[str, object] = dict(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
 
 
 def random_state_dict(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Tensor]:
