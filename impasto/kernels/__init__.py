@@ -1,15 +1,16 @@
-"""Fused CPU kernels (`cpu_ops.cpp`), compiled on first use with the machine's C++ compiler.
+"""Fused CPU kernels, compiled on first use with the machine's C++ compiler into one library.
 
 What they replace, per decoder layer of a bf16 model on CPU: the linear layers' bf16 matmul
-where oneDNN cannot pack bf16 weights (an AVX2 GEMM that converts weights in registers),
-residual add + RMSNorm (one call instead of two), SiLU * up (one instead of two plus slicing;
-decode-sized inputs only, see `mlp.py`), rotary on the fused qkv
-projection in place (one instead of five), and, for steps where every request is a short,
-cache-writing query (decodes, speculative verification), the KV-cache write and paged
-attention (one instead of about twelve). Eager PyTorch pays more for dispatching these small
-kernels than for their arithmetic at batch 1 (see docs/benchmarks.md). On those steps the
-decoder layers of a Llama-family model run as one call that chains the same kernels in C++
-(`decoder_layers`, see `decoder_stack.py`), so no Python runs between them.
+where oneDNN cannot pack bf16 weights (an AVX2 GEMM that converts weights in registers,
+`cpu_linear.cpp`), residual add + RMSNorm (one call instead of two), SiLU * up (one instead of
+two plus slicing; decode-sized inputs only, see `mlp.py`), rotary on the fused qkv projection
+in place (one instead of five; these three in `cpu_ops.cpp`), and, for steps where every
+request is a short, cache-writing query (decodes, speculative verification), the KV-cache write
+and paged attention (one instead of about twelve, `cpu_attention.cpp`). Eager PyTorch pays more
+for dispatching these small kernels than for their arithmetic at batch 1 (see
+docs/benchmarks.md). On those steps the decoder layers of a Llama-family model run as one call
+that chains the same kernels in C++ (`decoder_layers` in `cpu_ops.cpp`, see `decoder_stack.py`),
+so no Python runs between them. `cpu_ops.h` and `vec_math.h` hold what these files share.
 
 This package is a leaf: it builds and exposes the ops (`load()`, `ops()`, `enabled()`,
 `wanted()`) and imports nothing else from impasto. Models opt in through the typed hooks of
@@ -58,6 +59,8 @@ _DIR = Path(__file__).parent
 # one library, one op namespace
 SOURCES = (
     _DIR / "cpu_ops.cpp",
+    _DIR / "cpu_attention.cpp",
+    _DIR / "cpu_linear.cpp",
     _DIR / "diffusion_ops.cpp",
     _DIR / "quant_ops.cpp",
     _DIR / "quant_x8.cpp",
@@ -66,6 +69,7 @@ SOURCES = (
 )
 HEADERS = (
     _DIR / "vec_math.h",
+    _DIR / "cpu_ops.h",
     _DIR / "quant_ops.h",
     _DIR / "quant_blocks.h",
     _DIR / "quant_x8.h",

@@ -1,11 +1,41 @@
 // Float32 math written as plain arithmetic (no libm calls), so that GCC vectorizes the loops
-// that use it. Shared by the kernel sources of impasto/kernels.
+// that use it: bf16 <-> float32 on raw bits, a dot product, exp and tanh. Shared by the kernel
+// sources of impasto/kernels.
 #pragma once
 
 #include <bit>
 #include <cstdint>
 
 namespace impasto_vec {
+
+// bf16 values are handled as their raw bits (the high half of a float32): GCC vectorizes loops
+// over uint16_t, not over c10::BFloat16 objects.
+using bf16 = uint16_t;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+// Round to nearest even, branch-free so that loops storing bf16 vectorize; NaN stays NaN.
+template <> inline bf16 from_f<bf16>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<bf16>(x != x ? 0x7fc0u : rounded);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 lanes: one AVX register, no reassociation
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T> inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
 
 // exp: range reduction by ln 2 and a degree-6 polynomial (max relative error ~2e-7 on the
 // clamped range, far below bf16's 4e-3). Below -87, where float's exp has no normal result, 0:
