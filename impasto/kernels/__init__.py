@@ -16,12 +16,15 @@ This package is a leaf: it builds and exposes the ops (`load()`, `ops()`, `enabl
 `wanted()`) and imports nothing else from impasto. Models opt in through the typed hooks of
 `impasto.models.layers.device_hooks`; `impasto.worker.device_prep` walks a model and calls them.
 
-`quant_ops.cpp`: matmuls and embedding lookups on packed GGML blocks (GGUF's Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), with 8-bit activation blocks and integer dot products
-(VNNI where the CPU has it, AVX2 otherwise, a portable loop elsewhere; the integer sums are
-exact, so every instruction set gives the same bits, and a row's result does not depend on the
-other rows of its batch). They serve packed weights whatever the activation dtype;
-`IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests compare the two).
+`quant_ops.cpp`: matmuls on packed GGML blocks (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K), with 8-bit activation blocks and integer dot products (VNNI where the CPU has it,
+AVX2 otherwise, a portable loop elsewhere; the integer sums are exact, so every instruction set
+gives the same bits, and a row's result does not depend on the other rows of its batch). It
+drives the kernels of GGML's row layout (`quant_rows.cpp`) and of rows interleaved by 8
+(`quant_x8.cpp`, repacked by `quant_x8_repack.cpp`); `quant_dequant.cpp` dequantizes rows to
+float, for embedding lookups and the portable path. They serve packed weights whatever the
+activation dtype; `IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests
+compare the two).
 
 Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
 reference path, which the token-exact tests against transformers use; the kernels compute in
@@ -63,6 +66,8 @@ SOURCES = (
     _DIR / "cpu_linear.cpp",
     _DIR / "diffusion_ops.cpp",
     _DIR / "quant_ops.cpp",
+    _DIR / "quant_rows.cpp",
+    _DIR / "quant_dequant.cpp",
     _DIR / "quant_x8.cpp",
     _DIR / "quant_x8_repack.cpp",
     _DIR / "token_mask_ops.cpp",
@@ -72,6 +77,7 @@ HEADERS = (
     _DIR / "cpu_ops.h",
     _DIR / "quant_ops.h",
     _DIR / "quant_blocks.h",
+    _DIR / "quant_rows.h",
     _DIR / "quant_x8.h",
     _DIR / "quant_x8_layout.h",
 )

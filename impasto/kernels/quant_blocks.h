@@ -1,5 +1,6 @@
-// Shared by the packed-weight kernels (quant_ops.cpp: GGML's row layout; quant_x8.cpp: rows
-// interleaved in groups of 8): GGML's block formats, the 8-bit activation blocks both meet, the
+// Shared by the packed-weight kernels (quant_rows.cpp: GGML's row layout; quant_x8.cpp: rows
+// interleaved in groups of 8), their driver (quant_ops.cpp) and the scalar dequantization
+// (quant_dequant.cpp): GGML's block formats, the 8-bit activation blocks both layouts meet, the
 // integer dot-product building blocks, and where results go.
 //
 // Invariant: every integer dot product here is exact (no saturation for any input the callers

@@ -1,5 +1,5 @@
-"""The packed GGML matmul and lookup (kernels/quant_ops.cpp) against the `gguf` package's
-dequantization followed by a float64 matmul.
+"""The packed GGML matmul and lookup (kernels/quant_ops.cpp, quant_dequant.cpp) against the
+`gguf` package's dequantization followed by a float64 matmul.
 
 Tolerance, from the arithmetic: the weights are exact (integers times their block scales), the
 integer dot products are exact, so the one approximation is the activations' rounding to 8 bits
