@@ -73,7 +73,7 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
   auto prefetch_row = [&](const T* base, int64_t b, int64_t k, int64_t h) {
     const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
     const char* p = reinterpret_cast<const char*>(base + slot * row + h * d);
-    for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);  // prefetcht0 on x86; portable
   };
   at::parallel_for(0, num_reqs * a.hkv * parts, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf, sc, acc, denom, kv(d);
