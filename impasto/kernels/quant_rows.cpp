@@ -246,7 +246,7 @@ void rows_run(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t o_lo, 
     case kQ4_K: run_rows<Q4_KDot>(w, row_bytes, o_lo, o_hi, a256, nb, rows, y, col0); break;
     case kQ5_K: run_rows<Q5_KDot>(w, row_bytes, o_lo, o_hi, a256, nb, rows, y, col0); break;
     case kQ6_K: run_rows<Q6_KDot>(w, row_bytes, o_lo, o_hi, a256, nb, rows, y, col0); break;
-    default: break;
+    default: TORCH_CHECK(false, "quant_linear: no row-layout kernel for GGML type ", qtype);
   }
 #else
   (void)qtype, (void)w, (void)row_bytes, (void)o_lo, (void)o_hi, (void)acts, (void)nb, (void)rows, (void)y, (void)col0;
