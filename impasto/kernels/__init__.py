@@ -80,6 +80,7 @@ HEADERS = (
     _DIR / "quant_rows.h",
     _DIR / "quant_x8.h",
     _DIR / "quant_x8_layout.h",
+    _DIR / "quant_x8_avx512.h",
 )
 _OPS: Any = None
 _FLAGS_VERSION = b"3"  # bump when the compiler flags change

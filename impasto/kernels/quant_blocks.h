@@ -50,9 +50,10 @@ static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210);
 // (sum of q) rounded to a half float (Q8_1's `s`), which the Q4_1 / Q5_1 mins multiply.
 // K: d * q ~ x over 256 values with d = 1 / (127 / amax) in float32, bsums[g] = sum of
 // q[16 g .. 16 g + 15], sums32[j] = bsums[2 j] + bsums[2 j + 1] (the interleaved kernels' mins,
-// quant_x8.cpp).
+// quant_x8.cpp), and pairs = q rearranged for the AVX-512 interleaved kernels: per 64 values c,
+// 8 bytes g = (q[64 c + 4 g ..] 4 bytes, q[64 c + 32 + 4 g ..] 4 bytes) (quant_x8_avx512.h).
 struct ActQ8 { float d; float dsum; float msum; int8_t q[32]; };
-struct ActQ8K { float d; int16_t bsums[16]; int8_t q[256]; int16_t sums32[8]; };
+struct ActQ8K { float d; int16_t bsums[16]; int8_t q[256]; int16_t sums32[8]; int8_t pairs[256]; };
 
 #if defined(__F16C__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  // one instruction
@@ -133,6 +134,11 @@ inline void quantize_q8k(const float* x, int64_t n, ActQ8K* out) {
     }
     for (int j = 0; j < 8; ++j) out[b].sums32[j] = static_cast<int16_t>(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
     out[b].d = amax > 0.0f ? 1.0f / id : 0.0f;  // llama.cpp's 1 / iscale, not amax / 127
+    for (int c = 0; c < 4; ++c)
+      for (int g = 0; g < 8; ++g) {
+        std::memcpy(out[b].pairs + 64 * c + 8 * g, out[b].q + 64 * c + 4 * g, 4);
+        std::memcpy(out[b].pairs + 64 * c + 8 * g + 4, out[b].q + 64 * c + 32 + 4 * g, 4);
+      }
   }
 }
 

@@ -302,12 +302,11 @@ struct Q6_KX8 {
   }
 };
 
-// Activation rows per pass over a group's weights: each row keeps 3-5 vector accumulators. With
-// AVX-512's 32 vector registers 5 rows fit (a speculative verification of 4 drafts + 1 in one
-// pass; 6 spill: measured slower per row), with AVX2's 16, 4. Q6_K without VNNI keeps one
-// accumulator a row (its int16 sums live for two steps only), so up to 6 rows share each
-// decoded weight vector there: one thread, 8960 x 1536, 5 rows 1.15 ms against 1.42 (4 + 1),
-// level with 4 a pass per row at 8 to 64 rows.
+#include "quant_x8_avx512.h"  // Q4_KX8Z where the CPU has AVX-512 VNNI
+// Activation rows per pass over a group's weights (each row keeps 3-5 accumulators): 5 with
+// AVX-512's 32 vector registers (6 spill), 4 with AVX2's 16; Q4_KX8Z, 8. Q6_K without VNNI keeps
+// one accumulator a row, so 6 rows share each decoded weight vector there (one thread, 8960 x
+// 1536: 5 rows 1.15 ms against 1.42 as 4 + 1; level with 4 a pass per row at 8 to 64 rows).
 #if defined(__AVX512VL__)
 constexpr int kNX = 5;
 #else
@@ -317,6 +316,10 @@ template <template <int> class Dot>
 constexpr int kRows = kNX;
 template <>
 constexpr int kRows<Q6_KX8> = kSum16 ? 6 : kNX;
+#ifdef IMPASTO_X8_ZMM
+template <>
+constexpr int kRows<Q4_KX8Z> = kQ4_KRowsZ;
+#endif
 constexpr int64_t kTile = 64;  // activation rows kept hot while a thread's groups stream
 
 // Dot<n>::run for a run-time n in [1, N].
@@ -380,7 +383,11 @@ void x8_run(int64_t qtype, const uint8_t* w, int64_t group_bytes, int64_t g_lo, 
     case kQ5_0: run_groups<Q5_0X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
     case kQ5_1: run_groups<Q5_1X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
     case kQ8_0: run_groups<Q8_0X8>(w, group_bytes, g_lo, g_hi, a32, nb, rows, y, col0); break;
+#ifdef IMPASTO_X8_ZMM
+    case kQ4_K: run_groups<Q4_KX8Z>(w, group_bytes, g_lo, g_hi, a256, nb, rows, y, col0); break;
+#else
     case kQ4_K: run_groups<Q4_KX8>(w, group_bytes, g_lo, g_hi, a256, nb, rows, y, col0); break;
+#endif
     case kQ6_K: run_groups<Q6_KX8>(w, group_bytes, g_lo, g_hi, a256, nb, rows, y, col0); break;
     default: TORCH_CHECK(false, "quant_linear: no interleaved kernel for GGML type ", qtype);
   }
