@@ -33,6 +33,7 @@ namespace impasto_cpu {
 namespace {
 
 using impasto_vec::dot;
+using impasto_vec::dot4;
 using impasto_vec::fast_exp;
 using impasto_vec::from_f;
 using impasto_vec::load_row;
@@ -49,6 +50,9 @@ using impasto_vec::to_f;
 // a row are the same whatever other rows share its tile, its step or its batch, and whether its
 // keys were cached by an earlier step (prefix caching, chunked prefill) or written by this one.
 constexpr int64_t kQueryTile = 64;  // query tokens per work item's pass
+// K (V) rows widened to float32 per pass: each tile meets every query row while it is in L1,
+// and a row's scores (its output) are written (accumulated) contiguously, in key order.
+constexpr int64_t kKeyTile = 32;
 
 struct AttnArgs {
   int64_t hq, hkv, d, bs, window;
@@ -70,13 +74,14 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
   // rows ahead lets the loads of a decode step (the cache is cold after the weights stream
   // through) overlap instead of waiting on memory one row at a time.
   constexpr int64_t kAhead = 32;
+  auto slot_of = [&](int64_t b, int64_t k) { return bt[b * bts + k / a.bs] * a.bs + k % a.bs; };
   auto prefetch_row = [&](const T* base, int64_t b, int64_t k, int64_t h) {
-    const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
+    const int64_t slot = slot_of(b, k);
     const char* p = reinterpret_cast<const char*>(base + slot * row + h * d);
     for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);  // prefetcht0 on x86; portable
   };
   at::parallel_for(0, num_reqs * a.hkv * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf, sc, acc, denom, kv(d);
+    std::vector<float> qf, sc, acc, denom, kv(kKeyTile * d);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t b = item / (a.hkv * parts), h = item / parts % a.hkv, part = item % parts;
       const int64_t req_start = qsl[b], req_qlen = qsl[b + 1] - req_start, len = seq[b];
@@ -113,15 +118,24 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
         all_hi = std::max(all_hi, khi);
       }
       for (int64_t k = all_lo; k < std::min(all_lo + kAhead, all_hi); ++k) prefetch_row(kc, b, k, h);
-      for (int64_t k = all_lo; k < all_hi; ++k) {  // scores: one K row feeds every query row
-        if (k + kAhead < all_hi) prefetch_row(kc, b, k + kAhead, h);
-        else if (all_lo + k + kAhead - all_hi < all_hi) prefetch_row(vc, b, all_lo + k + kAhead - all_hi, h);  // first V rows
-        const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
-        load_row(kc + slot * row + h * d, kv.data(), d);
+      for (int64_t k0 = all_lo; k0 < all_hi; k0 += kKeyTile) {  // scores: a K tile feeds every query row
+        const int64_t kn = std::min(kKeyTile, all_hi - k0);
+        for (int64_t k = k0; k < k0 + kn; ++k) {
+          if (k + kAhead < all_hi) prefetch_row(kc, b, k + kAhead, h);
+          else if (all_lo + k + kAhead - all_hi < all_hi) prefetch_row(vc, b, all_lo + k + kAhead - all_hi, h);  // first V rows
+          load_row(kc + slot_of(b, k) * row + h * d, kv.data() + (k - k0) * d, d);
+        }
         for (int64_t r = 0; r < nrows; ++r) {
-          float s = dot(qf.data() + r * d, kv.data(), d);
-          if (a.softcap > 0) s = std::tanh(s / (float)a.softcap) * (float)a.softcap;
-          sc[r * len + k] = s;
+          const float* qr = qf.data() + r * d;
+          float* s = sc.data() + r * len + k0;
+          int64_t j = 0;
+          for (; j + 4 <= kn; j += 4) {
+            const float* ks[4] = {&kv[j * d], &kv[(j + 1) * d], &kv[(j + 2) * d], &kv[(j + 3) * d]};
+            dot4(qr, ks, d, s + j);
+          }
+          for (; j < kn; ++j) s[j] = dot(qr, kv.data() + j * d, d);
+          if (a.softcap > 0)
+            for (j = 0; j < kn; ++j) s[j] = std::tanh(s[j] / (float)a.softcap) * (float)a.softcap;
         }
       }
       denom.resize(nrows);
@@ -143,15 +157,20 @@ void attend(const T* q, int64_t qts, int64_t qhs, const T* kc, const T* vc, cons
           denom[i * g + j] = sum;
         }
       }
-      for (int64_t k = all_lo; k < all_hi; ++k) {  // P @ V: one V row feeds every query row
-        if (k + kAhead < all_hi) prefetch_row(vc, b, k + kAhead, h);
-        const int64_t slot = bt[b * bts + k / a.bs] * a.bs + k % a.bs;
-        load_row(vc + slot * row + h * d, kv.data(), d);
+      for (int64_t k0 = all_lo; k0 < all_hi; k0 += kKeyTile) {  // P @ V: a V tile feeds every query row
+        const int64_t kn = std::min(kKeyTile, all_hi - k0);
+        for (int64_t k = k0; k < k0 + kn; ++k) {
+          if (k + kAhead < all_hi) prefetch_row(vc, b, k + kAhead, h);
+          load_row(vc + slot_of(b, k) * row + h * d, kv.data() + (k - k0) * d, d);
+        }
         for (int64_t r = 0; r < nrows; ++r) {
-          const float p = sc[r * len + k];
-          if (p == 0.0f) continue;
+          const float* p = sc.data() + r * len + k0;
           float* o = acc.data() + r * d;
-          for (int64_t e = 0; e < d; ++e) o[e] += p * kv[e];
+          for (int64_t j = 0; j < kn; ++j) {
+            if (p[j] == 0.0f) continue;
+            const float* vr = kv.data() + j * d;
+            for (int64_t e = 0; e < d; ++e) o[e] += p[j] * vr[e];
+          }
         }
       }
       for (int64_t i = 0; i < qlen; ++i)
