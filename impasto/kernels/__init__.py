@@ -22,8 +22,10 @@ AVX2 otherwise, a portable loop elsewhere; the integer sums are exact, so every 
 gives the same bits, and a row's result does not depend on the other rows of its batch). It
 drives the kernels of GGML's row layout (`quant_rows.cpp`) and of rows interleaved by 8
 (`quant_x8.cpp`, repacked by `quant_x8_repack.cpp`); `quant_dequant.cpp` dequantizes rows to
-float, for embedding lookups and the portable path. They serve packed weights whatever the
-activation dtype; `IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests
+float, for embedding lookups and the portable path. Those serve bfloat16 models; a float32 model
+on packed weights computes with `quant_float.cpp` instead (each weight row dequantized exactly,
+float32 activations, no 8-bit rounding: what the dequantized model computes, to summation
+order); `IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests
 compare the two).
 
 Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
@@ -68,6 +70,7 @@ SOURCES = (
     _DIR / "quant_ops.cpp",
     _DIR / "quant_rows.cpp",
     _DIR / "quant_dequant.cpp",
+    _DIR / "quant_float.cpp",
     _DIR / "quant_x8.cpp",
     _DIR / "quant_x8_repack.cpp",
     _DIR / "token_mask_ops.cpp",

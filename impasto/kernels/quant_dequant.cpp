@@ -17,7 +17,7 @@
 
 namespace impasto_quant {
 
-// ---------------------------------------------------------------- dequantization (scalar)
+// ---------------------------------------------------------------- dequantization
 // One row of `n` values to float32: embedding lookups, and the portable matmul path.
 void dequant_row(int64_t qtype, const uint8_t* row, float* y, int64_t n) {
   switch (qtype) {
@@ -75,11 +75,14 @@ void dequant_row(int64_t qtype, const uint8_t* row, float* y, int64_t n) {
           scale_min_k4(j, scales, sc, mn);
           const float ds = d * sc, dm = dmin * mn;
           const uint8_t* q = qs + 32 * (j / 2);
-          for (int l = 0; l < 32; ++l) {
-            int v = j % 2 == 0 ? q[l] & 0xF : q[l] >> 4;
-            if (qh != nullptr) v |= ((qh[l] >> j) & 1) << 4;
-            yb[32 * j + l] = ds * static_cast<float>(v) - dm;
-          }
+          const int shift = 4 * (j % 2);
+          float* yj = yb + 32 * j;
+          // branch-free inner loops (one per type), so that they vectorize
+          if (qh == nullptr)
+            for (int l = 0; l < 32; ++l) yj[l] = ds * static_cast<float>((q[l] >> shift) & 0xF) - dm;
+          else
+            for (int l = 0; l < 32; ++l)
+              yj[l] = ds * static_cast<float>(((q[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4)) - dm;
         }
       }
       return;
@@ -92,12 +95,17 @@ void dequant_row(int64_t qtype, const uint8_t* row, float* y, int64_t n) {
           const uint8_t* qh = k.qh + 32 * h;
           const int8_t* sc = k.scales + 8 * h;
           float* yh = y + 256 * b + 128 * h;
-          for (int l = 0; l < 32; ++l) {
-            const int v[4] = {(ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4), (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4),
-                              (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
-            for (int s = 0; s < 4; ++s) {
-              const int i = l + 32 * s;
-              yh[i] = d * static_cast<float>(sc[i / 16]) * static_cast<float>(v[s] - 32);
+          // quarter s of the 128 values: low nibbles of ql[0..32) / ql[32..64) (s = 0, 1), then
+          // their high nibbles (s = 2, 3), bits 2s..2s+1 of qh on top; a scale per 16 values
+          for (int s = 0; s < 4; ++s) {
+            const uint8_t* lo = ql + 32 * (s % 2);
+            const int shift = 4 * (s / 2);
+            for (int g = 0; g < 2; ++g) {
+              const float dsc = d * static_cast<float>(sc[2 * s + g]);
+              for (int l = 16 * g; l < 16 * g + 16; ++l) {
+                const int v = ((lo[l] >> shift) & 0xF) | (((qh[l] >> (2 * s)) & 3) << 4);
+                yh[l + 32 * s] = dsc * static_cast<float>(v - 32);
+              }
             }
           }
         }

@@ -76,6 +76,19 @@ void run_rows_portable(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64
 
 }  // namespace
 
+Out output_of(at::Tensor& y, const std::optional<at::Tensor>& bias) {
+  Out out;
+  out.stride = y.size(1);
+  if (y.scalar_type() == at::kBFloat16) {
+    out.bf16 = y.mutable_data_ptr<c10::BFloat16>();
+    if (bias.has_value()) out.bias_bf16 = bias->const_data_ptr<c10::BFloat16>();
+  } else {
+    out.f32 = y.mutable_data_ptr<float>();
+    if (bias.has_value()) out.bias_f32 = bias->const_data_ptr<float>();
+  }
+  return out;
+}
+
 at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>& blocks,
                            const std::vector<int64_t>& qtypes, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.stride(1) == 1, "quant_linear: x must be [T, I] with a contiguous last dim");
@@ -103,15 +116,7 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
                 "quant_linear: bias must be a contiguous [O] tensor of x's dtype");
   auto y = at::empty({rows, out_f}, x.options());
   if (rows == 0) return y;
-  Out out;
-  out.stride = out_f;
-  if (x.scalar_type() == at::kBFloat16) {
-    out.bf16 = y.mutable_data_ptr<c10::BFloat16>();
-    if (bias.has_value()) out.bias_bf16 = bias->const_data_ptr<c10::BFloat16>();
-  } else {
-    out.f32 = y.mutable_data_ptr<float>();
-    if (bias.has_value()) out.bias_f32 = bias->const_data_ptr<float>();
-  }
+  const Out out = output_of(y, bias);
 #ifdef IMPASTO_AVX2
   Acts acts;
   bool have32 = false, have256 = false;

@@ -15,4 +15,9 @@ namespace impasto_quant {
 at::Tensor linear_segments(const at::Tensor& x, const std::vector<at::Tensor>& blocks,
                            const std::vector<int64_t>& qtypes, const std::optional<at::Tensor>& bias);
 
+// Where a packed matmul's results go (quant_blocks.h's Out): y [T, O] float32 or bfloat16 and
+// an optional bias of y's dtype (the callers check its size).
+struct Out;
+Out output_of(at::Tensor& y, const std::optional<at::Tensor>& bias);
+
 }  // namespace impasto_quant

@@ -35,9 +35,9 @@ from gguf.quants import dequantize
 from impasto import kernels
 from impasto.models.layers.quantized import (
     X8_FLAG,
+    KernelPackedLinear,
     PackedWeight,
     QuantizedTensor,
-    kernel_linear,
     packed_linear_eager,
     release_pages,
 )
@@ -357,7 +357,7 @@ def test_packed_weight_kernel_layout(ops):
     ]
     weight = PackedWeight(tensors, torch.float32)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(4))
-    before = kernel_linear(ops)(x, weight)
+    before = KernelPackedLinear(ops)(x, weight)
     weight.use_kernel_layout(ops)
     weight.use_kernel_layout(ops)  # once only
     assert weight.kernel_qtypes == [
@@ -367,7 +367,7 @@ def test_packed_weight_kernel_layout(ops):
         int(Q.Q8_0) | X8_FLAG,
     ]
     assert [b.data_ptr() for b in weight.blocks] == [t.blocks.data_ptr() for t in tensors]
-    after = kernel_linear(ops)(x, weight)
+    after = KernelPackedLinear(ops)(x, weight)
     assert torch.allclose(before, after, rtol=1e-5, atol=1e-6 * before.abs().max().item())
 
 

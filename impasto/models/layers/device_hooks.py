@@ -111,6 +111,17 @@ class FusedOps(Protocol):
         """y = x W^T (+ b) on packed GGML row segments (impasto/kernels/quant_ops.cpp)."""
         ...
 
+    def quant_linear_float(
+        self,
+        x: torch.Tensor,
+        blocks: Sequence[torch.Tensor],
+        qtypes: Sequence[int],
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The same product with float32 activations, weights dequantized exactly
+        (impasto/kernels/quant_float.cpp)."""
+        ...
+
     def quant_embedding(
         self, ids: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype
     ) -> torch.Tensor:

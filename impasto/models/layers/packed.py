@@ -12,7 +12,7 @@ and its `linear` attribute is `packed_linear`; nothing else reads packed weights
 
 `SwappableLinear` is the layers' side of it: the hooks (`device_hooks.py`) that pack a layer's
 weight or point it at the kernels' bf16 GEMM, or, for a packed GGUF weight (`quantized.py`,
-which oneDNN never touches), at the kernels' integer-dot matmul. Invariant: a layer's matmul
+which oneDNN never touches), at the kernels' packed matmul. Invariant: a layer's matmul
 is swapped at most once, away from `plain_linear`; oneDNN-packed layers keep oneDNN.
 """
 
@@ -100,9 +100,12 @@ class SwappableLinear:
         return True
 
     def use_packed_kernels(self, ops: FusedOps) -> bool:
-        """The kernels' integer-dot matmul for a packed GGUF weight (any activation dtype)."""
+        """The kernels' matmul for a packed GGUF weight: integer dot products on 8-bit
+        activations for 16-bit layers (repacked to the interleaved layout once), float32
+        activations on the file's layout for float32 layers."""
         if not isinstance(self.weight, PackedWeight):
             return False
-        self.weight.use_kernel_layout(ops)
-        self.linear = kernel_linear(ops)
+        if self.weight.dtype != torch.float32:
+            self.weight.use_kernel_layout(ops)
+        self.linear = kernel_linear(ops, self.weight.dtype)
         return True

@@ -13,11 +13,15 @@ the bytes of weights it reads, so this is 3-4x fewer bytes per token than dequan
 - `packed_linear` / `packed_embedding` compute with it: the kernels' integer-dot matmul
   (`torch.ops.impasto.quant_linear`, see impasto/kernels/quant_ops.cpp) when device preparation
   installed them, else the eager path of `ggml_blocks` (dequantize a chunk of rows + matmul).
+  float32 layers take the kernels' float matmul instead (`quant_linear_float`, quant_float.cpp:
+  exact dequantization, float32 activations), so float32 stays the faithful dtype on packed
+  weights as on dense ones.
 
-When the kernels are installed, each segment whose type has interleaved kernels (and whose rows
-come in whole groups of 8) is also repacked once into that layout (`use_kernel_layout`, see
-impasto/kernels/quant_x8.cpp: 8 rows' blocks interleaved, the same bytes rearranged), which the
-matmul then reads; the GGML-layout segments stay for embedding lookups and the eager path.
+When the kernels are installed, each segment of a 16-bit layer whose type has interleaved
+kernels (and whose rows come in whole groups of 8) is also repacked once into that layout
+(`use_kernel_layout`, see impasto/kernels/quant_x8.cpp: 8 rows' blocks interleaved, the same
+bytes rearranged), which the matmul then reads; the GGML-layout segments stay for embedding
+lookups, the eager path and float32 layers.
 
 Invariants: block tensors are never written (they may be read-only views of the file); a
 PackedWeight's segments cover its rows in order, and so do its kernel segments; the output dtype
@@ -190,8 +194,24 @@ class KernelPackedLinear:
         return self.quant_linear(x, weight.kernel_blocks, weight.kernel_qtypes, bias)
 
 
-def kernel_linear(ops: Any) -> KernelPackedLinear:
-    return KernelPackedLinear(ops)
+class KernelFloatPackedLinear:
+    """The kernels' float32-activation matmul on packed weights (`quant_linear_float`): the
+    `LinearFn` of float32 models, whose activations are never rounded to 8 bits."""
+
+    def __init__(self, ops: Any) -> None:
+        self.quant_linear_float = ops.quant_linear_float
+
+    def __call__(
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.quant_linear_float(x, weight.blocks, weight.qtypes, bias)
+
+
+def kernel_linear(ops: Any, dtype: torch.dtype) -> KernelPackedLinear | KernelFloatPackedLinear:
+    """The packed matmul for a layer computing in `dtype`: float32 keeps its activations in
+    float32 (the faithful path: what the dequantized model computes), 16-bit dtypes round them
+    to 8-bit blocks for integer dot products (the fast path, llama.cpp's arithmetic)."""
+    return KernelFloatPackedLinear(ops) if dtype == torch.float32 else KernelPackedLinear(ops)
 
 
 def packed_embedding(ids: torch.Tensor, weight: PackedWeight, ops: Any | None) -> torch.Tensor:
