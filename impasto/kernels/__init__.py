@@ -18,15 +18,14 @@ This package is a leaf: it builds and exposes the ops (`load()`, `ops()`, `enabl
 
 `quant_ops.cpp`: matmuls on packed GGML blocks (GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K), with 8-bit activation blocks and integer dot products (VNNI where the CPU has it,
-AVX2 otherwise, a portable loop elsewhere; the integer sums are exact, so every instruction set
-gives the same bits, and a row's result does not depend on the other rows of its batch). It
-drives the kernels of GGML's row layout (`quant_rows.cpp`) and of rows interleaved by 8
-(`quant_x8.cpp`, repacked by `quant_x8_repack.cpp`); `quant_dequant.cpp` dequantizes rows to
-float, for embedding lookups and the portable path. Those serve bfloat16 models; a float32 model
-on packed weights computes with `quant_float.cpp` instead (each weight row dequantized exactly,
-float32 activations, no 8-bit rounding: what the dequantized model computes, to summation
-order); `IMPASTO_CPU_ISA=avx2` builds the AVX2 paths on a CPU that has more (tests
-compare the two).
+AVX2 otherwise; the integer sums are exact, so every instruction set gives the same bits, and a
+row's result does not depend on the other rows of its batch). It drives the kernels of GGML's
+row layout (`quant_rows.cpp`) and of rows interleaved by 8 (`quant_x8.cpp`, repacked by
+`quant_x8_repack.cpp`) for bfloat16 models; float32 models (op `quant_linear_float`) and builds
+without AVX2 take the float kernel (`quant_float.cpp`: each weight row dequantized exactly by
+`quant_dequant.cpp`, which also serves embedding lookups, and met by unrounded float32
+activations: what the dequantized model computes, to summation order). `IMPASTO_CPU_ISA=avx2`
+builds the AVX2 paths on a CPU that has more (tests compare the two).
 
 Policy: the layer kernels serve 16-bit (bfloat16) models only. float32 keeps the eager
 reference path, which the token-exact tests against transformers use; the kernels compute in

@@ -1,7 +1,7 @@
 // Packed GGML rows to float: the scalar dequantization of every supported type (dequant_row),
 // and the op `quant_embedding`, which looks up token rows of a packed embedding table with it.
-// The portable matmul path (quant_ops.cpp, builds without AVX2) dequantizes weight rows with
-// it too.
+// The float matmul kernel (quant_float.cpp: float32 models, builds without AVX2) dequantizes
+// weight rows with it too.
 //
 // Invariant: the float32 rows are the gguf package's dequantization, bit for bit (tests/kernels
 // check every type); bfloat16 rows are those rounded once. One row is dequantized at a time, so
@@ -18,7 +18,7 @@
 namespace impasto_quant {
 
 // ---------------------------------------------------------------- dequantization
-// One row of `n` values to float32: embedding lookups, and the portable matmul path.
+// One row of `n` values to float32: embedding lookups, and the float matmul kernel.
 void dequant_row(int64_t qtype, const uint8_t* row, float* y, int64_t n) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: {

@@ -1,8 +1,10 @@
-// The matmul on packed GGML weights (see impasto/kernels/quant.py): the op `quant_linear` and
-// linear_segments, its form for the decoder stack (cpu_ops.cpp). This file is the driver: it
-// checks the segments, quantizes the activations and hands weight rows to the kernels of their
-// layout, GGML's rows (quant_rows.cpp) or rows interleaved by 8 (quant_x8.cpp); without AVX2 it
-// dequantizes instead (quant_dequant.cpp, which also holds the embedding lookup).
+// The matmul on packed GGML weights (see impasto/kernels/quant.py): the ops `quant_linear` and
+// `quant_linear_float`, and linear_segments, their form for the decoder stack (cpu_ops.cpp).
+// This file is the driver: it checks the segments, quantizes the activations and hands weight
+// rows to the kernels of their layout, GGML's rows (quant_rows.cpp) or rows interleaved by 8
+// (quant_x8.cpp). `quant_linear_float` (float32 models), and every call on a build without
+// AVX2, keeps the activations in float32 instead and hands GGML's rows to the float kernel
+// (quant_float.cpp: exact dequantization, float32 FMAs in a fixed order).
 //
 // Arithmetic (chosen by measurement, docs/benchmarks.md): each activation row is quantized
 // once per call to 8-bit blocks (32 values + a float scale for the 32-blocks types, 256 values +
@@ -60,22 +62,6 @@ void fill_acts(const at::Tensor& x, bool k, Acts& a) {
   });
 }
 
-// Portable path: dequantize one weight row at a time, float dot products with x.
-void run_rows_portable(int64_t qtype, const uint8_t* w, int64_t row_bytes, int64_t o_lo, int64_t o_hi,
-                       const float* xf, int64_t rows, int64_t n, const Out& y, int64_t col0) {
-  std::vector<float> wr(n);
-  for (int64_t o = o_lo; o < o_hi; ++o) {
-    dequant_row(qtype, w + o * row_bytes, wr.data(), n);
-    for (int64_t t = 0; t < rows; ++t) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < n; ++i) s += xf[t * n + i] * wr[i];
-      y.store(t, col0 + o, s);
-    }
-  }
-}
-
-}  // namespace
-
 Out output_of(at::Tensor& y, const std::optional<at::Tensor>& bias) {
   Out out;
   out.stride = y.size(1);
@@ -89,8 +75,11 @@ Out output_of(at::Tensor& y, const std::optional<at::Tensor>& bias) {
   return out;
 }
 
+}  // namespace
+
 at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>& blocks,
-                           const std::vector<int64_t>& qtypes, const std::optional<at::Tensor>& bias) {
+                           const std::vector<int64_t>& qtypes, const std::optional<at::Tensor>& bias,
+                           bool float_acts) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.stride(1) == 1, "quant_linear: x must be [T, I] with a contiguous last dim");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "quant_linear: x must be float32 or bfloat16");
@@ -103,7 +92,8 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
     const int64_t qt = qtypes[s] & ~kX8Flag;
     const TypeInfo ti = type_info(qt);
     const at::Tensor& b = blocks[s];
-    TORCH_CHECK(ti.elems > 0 && (!x8 || x8_supported(qt)), "quant_linear: unsupported GGML type ", qtypes[s]);
+    TORCH_CHECK(ti.elems > 0 && (!x8 || (x8_supported(qt) && !float_acts)), "quant_linear: unsupported GGML type ",
+                qtypes[s], float_acts && x8 ? " (the float path reads GGML's row layout)" : "");
     TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 2 && b.is_contiguous(),
                 "quant_linear: blocks must be contiguous uint8 [rows, row_bytes]");
     TORCH_CHECK(n % ti.elems == 0 && b.size(1) == (x8 ? x8_group_bytes(qt, n) : n / ti.elems * ti.bytes),
@@ -121,12 +111,9 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
   Acts acts;
   bool have32 = false, have256 = false;
 #else
-  std::vector<float> xf(rows * n);
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < n; ++i)
-      xf[t * n + i] = x.scalar_type() == at::kBFloat16 ? static_cast<float>(x.const_data_ptr<c10::BFloat16>()[t * x.stride(0) + i])
-                                                        : x.const_data_ptr<float>()[t * x.stride(0) + i];
+  float_acts = true;  // no integer kernels on this build: every product is the float one
 #endif
+  const at::Tensor xf = float_acts ? x.to(at::kFloat).contiguous() : at::Tensor();  // [T, I]
   int64_t col0 = 0;
   for (size_t s = 0; s < blocks.size(); ++s) {
     const bool x8 = (qtypes[s] & kX8Flag) != 0;
@@ -136,6 +123,14 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
     // At least ~32 KiB of weight passes per task (a weight row is read once per 4-5 activation
     // rows): below that a second thread costs more than it saves.
     const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes * ((rows + 3) / 4), 1));
+    if (float_acts) {  // tasks of whole 4-row tiles: a tile's rows are dequantized once
+      at::parallel_for(0, (seg_rows + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t lo, int64_t hi) {
+        float_rows_run(qt, w, row_bytes, 4 * lo, std::min(seg_rows, 4 * hi), xf.const_data_ptr<float>(), rows, n, out,
+                       col0);
+      });
+      col0 += seg_rows;
+      continue;
+    }
 #ifdef IMPASTO_AVX2
     const bool k = type_info(qt).k;
     if (k && !have256) fill_acts(x, true, acts), have256 = true;
@@ -152,10 +147,6 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
     at::parallel_for(0, seg_rows, grain, [&](int64_t lo, int64_t hi) {
       rows_run(qt, w, row_bytes, lo, hi, a, nb, rows, out, col0);
     });
-#else
-    at::parallel_for(0, seg_rows, grain, [&](int64_t lo, int64_t hi) {
-      run_rows_portable(qt, w, row_bytes, lo, hi, xf.data(), rows, n, out, col0);
-    });
 #endif
     col0 += seg_rows;
   }
@@ -165,16 +156,28 @@ at::Tensor linear_segments(const at::Tensor& x_in, const std::vector<at::Tensor>
 namespace {
 
 // Any leading shape: [..., I] -> [..., O].
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
-                        const std::optional<at::Tensor>& bias) {
+at::Tensor linear_any_shape(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
+                            const std::optional<at::Tensor>& bias, bool float_acts) {
   TORCH_CHECK(x.dim() >= 1, "quant_linear: x must have at least one dimension");
   const std::vector<at::Tensor> segs(blocks.begin(), blocks.end());
   const std::vector<int64_t> types(qtypes.begin(), qtypes.end());
   const at::Tensor rows = x.dim() == 2 && x.stride(1) == 1 ? x : x.contiguous().reshape({-1, x.size(-1)});
-  auto y = linear_segments(rows, segs, types, bias);
+  auto y = linear_segments(rows, segs, types, bias, float_acts);
   auto shape = x.sizes().vec();
   shape.back() = y.size(1);
   return y.view(shape);
+}
+
+// 8-bit activation blocks and integer dot products (bf16 models).
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
+                        const std::optional<at::Tensor>& bias) {
+  return linear_any_shape(x, blocks, qtypes, bias, false);
+}
+
+// float32 activations on exactly dequantized rows (float32 models; quant_float.cpp).
+at::Tensor quant_linear_float(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef qtypes,
+                              const std::optional<at::Tensor>& bias) {
+  return linear_any_shape(x, blocks, qtypes, bias, true);
 }
 
 // A packed [rows, row_bytes] weight in the interleaved layout (quant_x8.cpp); its type id in
@@ -200,6 +203,7 @@ std::string quant_isa() {
 
 TORCH_LIBRARY_FRAGMENT(impasto, m) {
   m.def("quant_linear(Tensor x, Tensor[] blocks, int[] qtypes, Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_float(Tensor x, Tensor[] blocks, int[] qtypes, Tensor? bias=None) -> Tensor");
   m.def("quant_repack(Tensor blocks, int qtype) -> Tensor");
   m.def("quant_isa() -> str", &impasto_quant::quant_isa);
   m.def("quant_repackable(int qtype) -> bool", &impasto_quant::quant_repackable);
@@ -207,5 +211,6 @@ TORCH_LIBRARY_FRAGMENT(impasto, m) {
 
 TORCH_LIBRARY_IMPL(impasto, CPU, m) {
   m.impl("quant_linear", &impasto_quant::quant_linear);
+  m.impl("quant_linear_float", &impasto_quant::quant_linear_float);
   m.impl("quant_repack", &impasto_quant::quant_repack);
 }

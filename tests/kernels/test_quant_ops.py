@@ -131,6 +131,9 @@ def llamacpp_matmul(x: np.ndarray, w: np.ndarray, blocks: np.ndarray, qtype: Q) 
 
 
 LAYOUTS = ["rows", "x8"]  # GGML's row layout; rows interleaved by 8 (quant_x8.cpp)
+# and the float kernel on GGML's rows (quant_float.cpp, float32 activations), for the tests of
+# properties every path shares
+ALL_PATHS = [*LAYOUTS, "float"]
 
 
 def rows_for(layout: str, rows: int) -> int:
@@ -149,7 +152,8 @@ def kernel_segment(ops, blocks: np.ndarray, qtype: Q, layout: str) -> tuple[torc
 
 def run(ops, x: torch.Tensor, blocks: list[np.ndarray], types: list[Q], bias=None, layout="rows"):
     segs = [kernel_segment(ops, b, t, layout) for b, t in zip(blocks, types, strict=True)]
-    return ops.quant_linear(x, [b for b, _ in segs], [t for _, t in segs], bias)
+    op = ops.quant_linear_float if layout == "float" else ops.quant_linear
+    return op(x, [b for b, _ in segs], [t for _, t in segs], bias)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -190,7 +194,7 @@ def test_activations_round_as_llamacpp(ops, qtype, layout):
     assert np.max(np.abs(exact - ref) / tol) > 10
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ALL_PATHS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_rows_do_not_depend_on_the_batch(ops, qtype, layout):
     """Each row's result is the same bits alone, in any batch, at any position of it."""
@@ -222,7 +226,7 @@ def test_interleaved_layout_agrees_with_rows(ops, qtype):
         ops.quant_repack(torch.from_numpy(blocks[:12]), int(qtype))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", ALL_PATHS)
 def test_segments_bias_and_bf16(ops, layout):
     """Row segments of mixed families (a Q4_K_M q/k/v projection mixes types) give the
     concatenation of each segment alone; the bias is added in float before one rounding;

@@ -105,7 +105,5 @@ class SwappableLinear:
         activations on the file's layout for float32 layers."""
         if not isinstance(self.weight, PackedWeight):
             return False
-        if self.weight.dtype != torch.float32:
-            self.weight.use_kernel_layout(ops)
-        self.linear = kernel_linear(ops, self.weight.dtype)
+        self.linear = kernel_linear(ops, self.weight)
         return True

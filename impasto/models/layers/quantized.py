@@ -207,11 +207,15 @@ class KernelFloatPackedLinear:
         return self.quant_linear_float(x, weight.blocks, weight.qtypes, bias)
 
 
-def kernel_linear(ops: Any, dtype: torch.dtype) -> KernelPackedLinear | KernelFloatPackedLinear:
-    """The packed matmul for a layer computing in `dtype`: float32 keeps its activations in
-    float32 (the faithful path: what the dequantized model computes), 16-bit dtypes round them
-    to 8-bit blocks for integer dot products (the fast path, llama.cpp's arithmetic)."""
-    return KernelFloatPackedLinear(ops) if dtype == torch.float32 else KernelPackedLinear(ops)
+def kernel_linear(ops: Any, weight: PackedWeight) -> KernelPackedLinear | KernelFloatPackedLinear:
+    """The kernels' matmul for a layer holding `weight`, by the layer's dtype: float32 keeps its
+    activations in float32 on the file's layout (the faithful path: what the dequantized model
+    computes); 16-bit dtypes round them to 8-bit blocks for integer dot products (the fast
+    path, llama.cpp's arithmetic), on the interleaved layout, repacked here once."""
+    if weight.dtype == torch.float32:
+        return KernelFloatPackedLinear(ops)
+    weight.use_kernel_layout(ops)
+    return KernelPackedLinear(ops)
 
 
 def packed_embedding(ids: torch.Tensor, weight: PackedWeight, ops: Any | None) -> torch.Tensor:
